@@ -1,0 +1,1 @@
+"""loraplex data plane: model, memory pool, scheduler, engine server."""

@@ -1,0 +1,83 @@
+"""The Litestar application factory. `create_app(settings)` is the only way a platform app is built."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from litestar import Litestar, Router
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.spec import Components, SecurityScheme
+
+from loraplex.platform.dependencies import (
+    provide_admin,
+    provide_db,
+    provide_principal,
+    provide_resources,
+    require_admin,
+    require_tenant,
+)
+from loraplex.platform.domain.api_keys.controllers import AdminApiKeyController, TenantApiKeyController
+from loraplex.platform.domain.tenants.controllers import AdminTenantController, TenantSelfController
+from loraplex.platform.errors import handle_exception
+from loraplex.platform.health import HealthController
+from loraplex.platform.resources import Resources
+from loraplex.platform.settings import Settings
+
+
+def _version() -> str:
+    try:
+        return version("loraplex")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar:
+    """Build the app. Connections open in the lifespan, so building is cheap and never touches the network."""
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncGenerator[None, None]:
+        resources = await Resources.open(settings, check_migrations=check_migrations)
+        app.state.resources = resources
+        try:
+            yield
+        finally:
+            await resources.close()
+
+    v1 = Router(
+        path="/v1",
+        route_handlers=[TenantSelfController, TenantApiKeyController],
+        guards=[require_tenant],
+        dependencies={"principal": Provide(provide_principal)},
+        security=[{"ApiKey": []}],
+    )
+    admin = Router(
+        path="/admin",
+        route_handlers=[AdminTenantController, AdminApiKeyController],
+        guards=[require_admin],
+        dependencies={"admin": Provide(provide_admin)},
+        security=[{"AdminToken": []}],
+    )
+    return Litestar(
+        route_handlers=[HealthController, v1, admin],
+        lifespan=[lifespan],
+        dependencies={"db": Provide(provide_db), "resources": Provide(provide_resources)},
+        exception_handlers={Exception: handle_exception},
+        openapi_config=OpenAPIConfig(
+            title="loraplex",
+            version=_version(),
+            path="/schema",
+            components=Components(
+                security_schemes={
+                    "ApiKey": SecurityScheme(type="http", scheme="bearer", description="A tenant key, lpx_..."),
+                    "AdminToken": SecurityScheme(
+                        type="http",
+                        scheme="bearer",
+                        description="The admin token or an admin key, lpxadm_...",
+                    ),
+                }
+            ),
+        ),
+    )

@@ -1,0 +1,182 @@
+"""Who is calling: tenant keys on `/v1`, admin tokens and keys on `/admin`.
+
+Key lookups are cached in the shared key-value store (Redis), never in process memory, so a change made on one
+replica is seen by every replica on its next request. Two rules keep the cache from ever outliving a change:
+- a cache miss fills the entry only if it is still absent (SET NX), so a request that read the database before a
+  change cannot overwrite what the change wrote;
+- a change writes its new truth into the cache after its transaction commits (`key_changed`, `tenant_changed`).
+If the store is unreachable, authentication reads the database directly.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from loraplex.platform.domain.api_keys.keys import KeyHasher, KeyKind, parse_key
+from loraplex.platform.domain.api_keys.repository import (
+    AdminKeyRepository,
+    ApiKeyRepository,
+    KeyForAuthentication,
+)
+from loraplex.platform.domain.tenants.models import TenantStatus
+from loraplex.platform.domain.tenants.repository import TenantRepository
+from loraplex.platform.errors import ApiError, invalid_api_key
+from loraplex.platform.ids import AdminKeyId, ApiKeyId, TenantId
+from loraplex.platform.kv import KeyValueStore
+
+logger = logging.getLogger(__name__)
+
+MISSING_KEY = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header "
+    "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPrincipal:
+    tenant_id: TenantId
+    key_id: ApiKeyId
+
+
+@dataclass(frozen=True, slots=True)
+class AdminPrincipal:
+    key_id: AdminKeyId | None  # None: the bootstrap admin token from settings
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedKey:
+    """The cache entry of one key: everything but the tenant's status, which is cached under its own name."""
+
+    tenant_id: TenantId
+    key_hash: str
+    revoked: bool
+
+    @classmethod
+    def of(cls, key: KeyForAuthentication) -> _CachedKey:
+        return cls(tenant_id=key.tenant_id, key_hash=key.key_hash, revoked=key.revoked)
+
+    def encode(self) -> bytes:
+        return json.dumps({"tenant_id": str(self.tenant_id), "hash": self.key_hash, "revoked": self.revoked}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> _CachedKey:
+        entry = json.loads(raw)
+        return cls(
+            tenant_id=TenantId(uuid.UUID(entry["tenant_id"])),
+            key_hash=entry["hash"],
+            revoked=entry["revoked"],
+        )
+
+
+class Authenticator:
+    """Resolves Authorization headers to principals. One per process; safe for concurrent requests."""
+
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        kv: KeyValueStore,
+        hasher: KeyHasher,
+        *,
+        admin_token: str | None,
+        cache_ttl_s: float,
+    ) -> None:
+        self._sessions = sessions
+        self._kv = kv
+        self._hasher = hasher
+        self._admin_token = admin_token
+        self._ttl_s = cache_ttl_s
+
+    async def tenant(self, authorization: str | None) -> TenantPrincipal:
+        token = bearer_token(authorization)
+        if token is None:
+            raise invalid_api_key(MISSING_KEY)
+        parsed = parse_key(token)
+        if parsed is None or parsed.kind is not KeyKind.TENANT:
+            raise invalid_api_key()
+        key = await self._lookup_key(ApiKeyId(parsed.key_id))
+        if key is None or not self._hasher.verify(parsed.full_key, key.key_hash):
+            raise invalid_api_key()
+        if key.revoked:
+            raise invalid_api_key("This API key has been revoked.")
+        status = await self._tenant_status(key.tenant_id)
+        if status != TenantStatus.ACTIVE.value:
+            raise ApiError(401, "This API key belongs to a suspended account.", code="account_suspended")
+        return TenantPrincipal(tenant_id=key.tenant_id, key_id=ApiKeyId(parsed.key_id))
+
+    async def admin(self, authorization: str | None) -> AdminPrincipal:
+        token = bearer_token(authorization)
+        headers = {"WWW-Authenticate": "Bearer"}
+        if token is None:
+            raise ApiError(401, "An admin token is required.", code="unauthenticated", headers=headers)
+        if self._admin_token is not None and hmac.compare_digest(token.encode(), self._admin_token.encode()):
+            return AdminPrincipal(key_id=None)
+        parsed = parse_key(token)
+        if parsed is not None and parsed.kind is KeyKind.ADMIN:
+            async with self._sessions() as session:
+                row = await AdminKeyRepository(session).get(AdminKeyId(parsed.key_id))
+            if row is not None and row.revoked_at is None and self._hasher.verify(parsed.full_key, row.key_hash):
+                return AdminPrincipal(key_id=AdminKeyId(row.id))
+        raise ApiError(401, "The admin token is not valid.", code="unauthenticated", headers=headers)
+
+    async def key_changed(self, key_id: ApiKeyId) -> None:
+        """Publish a key's committed state (call after the commit that revoked or created it)."""
+        async with self._sessions() as session:
+            key = await ApiKeyRepository(session).get_for_authentication(key_id)
+        if key is not None:
+            await self._cache_set(f"apikey:{key_id}", _CachedKey.of(key).encode(), only_if_absent=False)
+
+    async def tenant_changed(self, tenant_id: TenantId, status: str) -> None:
+        """Publish a tenant's committed status (call after the commit that changed it)."""
+        await self._cache_set(f"tenant:{tenant_id}:status", status.encode(), only_if_absent=False)
+
+    async def _lookup_key(self, key_id: ApiKeyId) -> _CachedKey | None:
+        cached = await self._cache_get(f"apikey:{key_id}")
+        if cached is not None:
+            return _CachedKey.decode(cached)
+        async with self._sessions() as session:
+            key = await ApiKeyRepository(session).get_for_authentication(key_id)
+        if key is None:
+            return None
+        entry = _CachedKey.of(key)
+        await self._cache_set(f"apikey:{key_id}", entry.encode(), only_if_absent=True)
+        await self._cache_set(f"tenant:{key.tenant_id}:status", key.tenant_status.encode(), only_if_absent=True)
+        return entry
+
+    async def _tenant_status(self, tenant_id: TenantId) -> str:
+        cached = await self._cache_get(f"tenant:{tenant_id}:status")
+        if cached is not None:
+            return cached.decode()
+        async with self._sessions() as session:
+            tenant = await TenantRepository(session).get(tenant_id)
+        status = tenant.status if tenant is not None else TenantStatus.SUSPENDED.value
+        await self._cache_set(f"tenant:{tenant_id}:status", status.encode(), only_if_absent=True)
+        return status
+
+    async def _cache_get(self, key: str) -> bytes | None:
+        try:
+            return await self._kv.get(key)
+        except (RedisError, OSError):
+            logger.warning("key cache unreachable; reading the database", exc_info=True)
+            return None
+
+    async def _cache_set(self, key: str, value: bytes, *, only_if_absent: bool) -> None:
+        try:
+            await self._kv.set(key, value, ttl_s=self._ttl_s, only_if_absent=only_if_absent)
+        except (RedisError, OSError):
+            logger.warning("key cache unreachable; %s not cached", key, exc_info=True)

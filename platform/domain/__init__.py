@@ -1,0 +1,1 @@
+"""One folder per domain, each with controllers, service, repository, schemas (and models)."""

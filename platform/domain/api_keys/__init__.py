@@ -1,0 +1,1 @@
+"""API keys of tenants, and admin keys."""

@@ -1,0 +1,1 @@
+"""Tenants: the companies that host adapters on loraplex."""

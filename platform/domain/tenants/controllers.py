@@ -1,0 +1,59 @@
+"""HTTP for tenants: admin management under /admin/tenants, and /v1/me for a tenant's own view."""
+
+from __future__ import annotations
+
+import uuid
+
+from litestar import Controller, get, patch, post
+from litestar.params import FromPath, FromQuery, JSONBody
+
+from loraplex.platform.dependencies import AppResources, DbSession, Principal
+from loraplex.platform.domain.tenants.schemas import TenantCreate, TenantOut, TenantPatch
+from loraplex.platform.domain.tenants.service import TenantService
+from loraplex.platform.ids import TenantId
+from loraplex.platform.schemas import ObjectList, PageLimit
+
+
+class AdminTenantController(Controller):
+    path = "/tenants"
+    tags = ["admin: tenants"]
+
+    @post("/", status_code=201, summary="Create a tenant")
+    async def create(self, data: JSONBody[TenantCreate], db: DbSession) -> TenantOut:
+        tenant = await TenantService(db).create(data.name)
+        await db.commit()
+        return TenantOut.of(tenant)
+
+    @get("/", summary="List tenants, newest first")
+    async def list(
+        self,
+        db: DbSession,
+        limit: PageLimit = 20,
+        after: FromQuery[uuid.UUID | None] = None,
+    ) -> ObjectList[TenantOut]:
+        page = await TenantService(db).list(limit=limit, after=TenantId(after) if after else None)
+        return ObjectList.of([TenantOut.of(t) for t in page.items], has_more=page.has_more)
+
+    @get("/{tenant_id:uuid}", summary="Get a tenant")
+    async def get(self, tenant_id: FromPath[uuid.UUID], db: DbSession) -> TenantOut:
+        return TenantOut.of(await TenantService(db).get(TenantId(tenant_id)))
+
+    @patch("/{tenant_id:uuid}", summary="Rename, suspend or reactivate a tenant")
+    async def update(
+        self, tenant_id: FromPath[uuid.UUID], data: JSONBody[TenantPatch], db: DbSession, resources: AppResources
+    ) -> TenantOut:
+        result = await TenantService(db).update(TenantId(tenant_id), name=data.name, status=data.status)
+        await db.commit()
+        if result.status_changed:
+            # After the commit: every replica's next request sees the new status.
+            await resources.authenticator.tenant_changed(TenantId(tenant_id), result.tenant.status)
+        return TenantOut.of(result.tenant)
+
+
+class TenantSelfController(Controller):
+    path = "/me"
+    tags = ["tenant"]
+
+    @get("/", summary="The tenant this API key belongs to")
+    async def me(self, principal: Principal, db: DbSession) -> TenantOut:
+        return TenantOut.of(await TenantService(db).get(principal.tenant_id))

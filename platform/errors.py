@@ -1,0 +1,168 @@
+"""Errors at the edge, in the client's language.
+
+`/v1` (what OpenAI SDKs call) answers in OpenAI's envelope: `{"error": {message, type, param, code}}`.
+Everything else (`/admin`, health) answers RFC 9457 problem details. One handler picks the shape by path, so
+routing errors (unknown URL, wrong method) and body validation errors are shaped like the handlers' own errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+logger = logging.getLogger(__name__)
+
+OPENAI_PREFIX = "/v1"
+PROBLEM_JSON = "application/problem+json"
+
+
+class ApiError(Exception):
+    """An error the client caused or must know about; rendered by `handle_exception`."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+def invalid_api_key(message: str = "Incorrect API key provided.") -> ApiError:
+    return ApiError(401, message, code="invalid_api_key")
+
+
+def not_found(what: str, object_id: object) -> ApiError:
+    # Same answer for "does not exist" and "belongs to someone else": never reveal another tenant's objects.
+    return ApiError(404, f"No {what} with id '{object_id}'.", code="not_found")
+
+
+def conflict(message: str, *, param: str | None = None) -> ApiError:
+    return ApiError(409, message, code="conflict", param=param)
+
+
+def invalid_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, code=code, param=param)
+
+
+def _openai_type(status_code: int) -> str:
+    if status_code >= 500:
+        return "server_error"
+    if status_code == 429:
+        return "rate_limit_error"
+    if status_code == 403:
+        return "permission_error"
+    return "invalid_request_error"
+
+
+def openai_error(
+    status_code: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response[dict[str, Any]]:
+    body = {"error": {"message": message, "type": _openai_type(status_code), "param": param, "code": code}}
+    return Response(body, status_code=status_code, headers=headers)
+
+
+def problem(
+    request: Request[Any, Any, Any],
+    status_code: int,
+    detail: str,
+    *,
+    code: str | None = None,
+    errors: list[dict[str, Any]] | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response[dict[str, Any]]:
+    body: dict[str, Any] = {
+        "type": f"urn:loraplex:problem:{code}" if code else "about:blank",
+        "title": _phrase(status_code),
+        "status": status_code,
+        "detail": detail,
+        "instance": request.url.path,
+    }
+    if code:
+        body["code"] = code
+    if errors:
+        body["errors"] = errors
+    return Response(body, status_code=status_code, media_type=PROBLEM_JSON, headers=headers)
+
+
+def _phrase(status_code: int) -> str:
+    try:
+        return HTTPStatus(status_code).phrase
+    except ValueError:
+        return "Error"
+
+
+def _is_openai_path(path: str) -> bool:
+    return path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/")
+
+
+def _validation_details(exc: ValidationException) -> tuple[str, str | None, list[dict[str, Any]]]:
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    errors = [e for e in extra if isinstance(e, dict)]
+    if not errors:
+        return str(exc.detail or "Invalid request."), None, []
+    first = errors[0]
+    param = first.get("key") or None
+    message = str(first.get("message", "invalid value"))
+    text = f"Invalid value for '{param}': {message}" if param else message
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more)"
+    return text, param, errors
+
+
+def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
+    """Render any exception in the shape the path calls for."""
+    status_code = 500
+    message = "The server had an error while processing your request."
+    code: str | None = None
+    param: str | None = None
+    errors: list[dict[str, Any]] = []
+    headers: dict[str, str] = {}
+    openai = _is_openai_path(request.url.path)
+
+    if isinstance(exc, ApiError):
+        status_code, message, code, param, headers = (
+            exc.status_code,
+            exc.message,
+            exc.code,
+            exc.param,
+            exc.headers,
+        )
+    elif isinstance(exc, ValidationException):
+        status_code = 400
+        message, param, errors = _validation_details(exc)
+        code = "invalid_request"
+    elif isinstance(exc, HTTPException):
+        status_code = exc.status_code
+        headers = dict(exc.headers or {})
+        if status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+            code = "unknown_url"
+        elif status_code == 405:
+            message = f"Method {request.method} is not allowed for {request.url.path}"
+            code = "method_not_allowed"
+        else:
+            message = str(exc.detail)
+    else:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+
+    if openai:
+        return openai_error(status_code, message, code=code, param=param, headers=headers)
+    return problem(request, status_code, message, code=code, errors=errors, headers=headers)

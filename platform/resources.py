@@ -1,0 +1,112 @@
+"""The connections one platform process holds (database, key-value store, object store), opened and closed together.
+
+`Resources.open` is what the app's lifespan and the CLI call; nothing else creates connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from loraplex.platform.auth import Authenticator
+from loraplex.platform.db.engine import create_engine, create_session_factory
+from loraplex.platform.db.migrate import ensure_at_head
+from loraplex.platform.domain.api_keys.keys import KeyHasher
+from loraplex.platform.kv import KeyValueStore, open_kv_store
+from loraplex.platform.objectstore import ObjectStore, open_object_store
+from loraplex.platform.settings import Settings, SettingsError
+
+logger = logging.getLogger(__name__)
+
+
+def read_or_create_secret(path: Path) -> str:
+    """A random secret kept in `path` (mode 0600), created on first use; for the single-machine embedded mode."""
+    if path.exists():
+        value = path.read_text().strip()
+        if value:
+            return value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(value + "\n")
+    return value
+
+
+def resolve_secret_key(settings: Settings) -> bytes:
+    """The key API keys are hashed under: from settings, or (embedded SQLite only) a file in the data dir.
+
+    Replicas behind one database must share it, so a shared database without LORAPLEX_SECRET_KEY is refused
+    rather than letting each replica invent its own and reject the others' keys.
+    """
+    if settings.secret_key is not None:
+        value = settings.secret_key.get_secret_value()
+        if len(value) < 16:
+            raise SettingsError("invalid settings: LORAPLEX_SECRET_KEY: must be at least 16 characters")
+        return value.encode()
+    if not settings.effective_database_url.startswith("sqlite"):
+        raise SettingsError(
+            "invalid settings: LORAPLEX_SECRET_KEY is required with a shared database "
+            "(every replica must hash API keys with the same key)"
+        )
+    return read_or_create_secret(settings.data_dir / "secret_key").encode()
+
+
+@dataclass
+class Resources:
+    settings: Settings
+    db_engine: AsyncEngine
+    sessions: async_sessionmaker[AsyncSession]
+    kv: KeyValueStore
+    objects: ObjectStore
+    hasher: KeyHasher
+    authenticator: Authenticator
+
+    @classmethod
+    async def open(cls, settings: Settings, *, check_migrations: bool = True) -> Resources:
+        """Open every connection; raise (after closing what was opened) if any dependency is unusable."""
+        hasher = KeyHasher(resolve_secret_key(settings))
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        db_engine = create_engine(settings.effective_database_url, pool_size=settings.database_pool_size)
+        kv: KeyValueStore | None = None
+        objects: ObjectStore | None = None
+        try:
+            if check_migrations:
+                await ensure_at_head(db_engine)
+            kv = open_kv_store(settings.redis_url, prefix=settings.redis_prefix)
+            await kv.ping()
+            objects = open_object_store(settings)
+            await objects.check()
+        except BaseException:
+            if objects is not None:
+                await objects.close()
+            if kv is not None:
+                await kv.close()
+            await db_engine.dispose()
+            raise
+        sessions = create_session_factory(db_engine)
+        admin_token = settings.admin_token.get_secret_value() if settings.admin_token is not None else None
+        authenticator = Authenticator(
+            sessions, kv, hasher, admin_token=admin_token, cache_ttl_s=settings.key_cache_ttl_s
+        )
+        return cls(
+            settings=settings,
+            db_engine=db_engine,
+            sessions=sessions,
+            kv=kv,
+            objects=objects,
+            hasher=hasher,
+            authenticator=authenticator,
+        )
+
+    async def close(self) -> None:
+        try:
+            await self.objects.close()
+            await self.kv.close()
+        finally:
+            await self.db_engine.dispose()

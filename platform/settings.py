@@ -1,0 +1,220 @@
+"""Settings for the control plane and the embedded engine, read from `LORAPLEX_*` environment variables.
+
+Nothing here reads the environment at import time: `load_settings()` does, once, at start. Every default is the
+embedded mode (`make dev`): SQLite under the data dir, in-process substitutes for Redis, a local folder as the
+object store. Setting a URL switches that dependency to the shared service that replicas use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "LORAPLEX_"
+
+_ASYNC_DRIVERS = {
+    "postgresql": "postgresql+asyncpg",
+    "postgres": "postgresql+asyncpg",
+    "postgresql+asyncpg": "postgresql+asyncpg",
+    "sqlite": "sqlite+aiosqlite",
+    "sqlite+aiosqlite": "sqlite+aiosqlite",
+}
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names the environment variable."""
+
+
+class Settings(BaseSettings):
+    """Every knob of a loraplex process. Field `x` is read from `LORAPLEX_X`."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    data_dir: Path = Field(
+        default=Path(".loraplex"),
+        description="Folder for the embedded defaults: SQLite file, local object store, generated secrets.",
+    )
+    host: str = Field(default="127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Port the HTTP server binds.")
+    public_url: str | None = Field(
+        default=None, description="URL clients use to reach this platform; printed by `loraplex dev`."
+    )
+
+    database_url: str | None = Field(
+        default=None,
+        description="postgresql://... or sqlite:///...; default: SQLite file `loraplex.db` in the data dir.",
+    )
+    database_pool_size: int = Field(default=10, ge=1, le=200, description="Connections per process (Postgres).")
+
+    redis_url: str | None = Field(
+        default=None, description="redis://...; default: in-process substitutes (one process only)."
+    )
+    redis_prefix: str = Field(default="loraplex:", description="Prefix of every Redis key this deployment writes.")
+
+    s3_bucket: str | None = Field(
+        default=None, description="Bucket for adapter artifacts; default: a local folder under the data dir."
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="S3 endpoint (MinIO, SeaweedFS); default: AWS's endpoint for the region."
+    )
+    s3_region: str = Field(default="us-east-1", description="S3 region.")
+    s3_access_key_id: str | None = Field(default=None, description="S3 access key; default: boto3's chain.")
+    s3_secret_access_key: SecretStr | None = Field(default=None, description="S3 secret key.")
+    s3_multipart_threshold: int = Field(
+        default=64 * 1024 * 1024,
+        ge=5 * 1024 * 1024,
+        description="Objects at least this large are uploaded in parts (bytes, >= 5 MiB as S3 requires).",
+    )
+    s3_multipart_part_size: int = Field(
+        default=16 * 1024 * 1024, ge=5 * 1024 * 1024, description="Part size for multipart uploads (bytes)."
+    )
+
+    admin_token: SecretStr | None = Field(
+        default=None,
+        description="Bootstrap admin bearer token; `loraplex dev` generates one when unset.",
+    )
+    secret_key: SecretStr | None = Field(
+        default=None,
+        description="Key for hashing API keys (HMAC-SHA256); replicas must share it. "
+        "Default: generated once into the data dir.",
+    )
+    key_cache_ttl_s: float = Field(
+        default=300.0, gt=0, le=86400, description="How long an API key lookup stays cached in Redis."
+    )
+
+    engine_mode: Literal["embedded", "fleet", "off"] = Field(
+        default="embedded",
+        description="embedded: an in-process engine; fleet: remote engine replicas registered in Redis; "
+        "off: no engine (admin and key APIs only).",
+    )
+    engine_model: str | None = Field(
+        default=None, description="Base model folder for the embedded engine; default: the demo model."
+    )
+    engine_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="Weight and activation dtype of the embedded engine."
+    )
+    engine_max_model_len: int | None = Field(
+        default=None, ge=16, description="Context length cap; default: the model's."
+    )
+    engine_kv_budget: str = Field(
+        default="0.5",
+        description="Page pool size: bytes (`2GiB`, `512MiB`, an integer) or a fraction of free memory (`0.5`).",
+    )
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return normalize_database_url(value)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return value
+
+    @field_validator("s3_endpoint_url", "public_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError("must be an http:// or https:// URL")
+        return value.rstrip("/")
+
+    @field_validator("engine_kv_budget")
+    @classmethod
+    def _kv_budget(cls, value: str) -> str:
+        parse_memory_budget(value)
+        return value
+
+    @field_validator("redis_prefix")
+    @classmethod
+    def _redis_prefix(cls, value: str) -> str:
+        if not value or any(c.isspace() for c in value):
+            raise ValueError("must be a non-empty string without spaces")
+        return value
+
+    @model_validator(mode="after")
+    def _s3_complete(self) -> Settings:
+        if self.s3_endpoint_url is not None and self.s3_bucket is None:
+            raise ValueError("LORAPLEX_S3_BUCKET is required when LORAPLEX_S3_ENDPOINT_URL is set")
+        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
+            raise ValueError("set both LORAPLEX_S3_ACCESS_KEY_ID and LORAPLEX_S3_SECRET_ACCESS_KEY, or neither")
+        if self.s3_multipart_part_size > self.s3_multipart_threshold:
+            raise ValueError("LORAPLEX_S3_MULTIPART_PART_SIZE must not exceed LORAPLEX_S3_MULTIPART_THRESHOLD")
+        return self
+
+    @property
+    def effective_database_url(self) -> str:
+        """The database URL with an async driver; the SQLite file under the data dir when none is set."""
+        if self.database_url is not None:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{(self.data_dir / 'loraplex.db').resolve()}"
+
+    @property
+    def objects_dir(self) -> Path:
+        """Root of the local object store (used when no S3 bucket is set)."""
+        return self.data_dir / "objects"
+
+
+def normalize_database_url(value: str) -> str:
+    """Return `value` with the async driver SQLAlchemy needs; raise ValueError for anything else."""
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in _ASYNC_DRIVERS:
+        raise ValueError("must be a postgresql:// or sqlite:/// URL")
+    if _ASYNC_DRIVERS[scheme].startswith("sqlite") and not rest.startswith("/"):
+        raise ValueError("a SQLite URL needs three slashes and a file path: sqlite:///path/to/file.db")
+    return f"{_ASYNC_DRIVERS[scheme]}://{rest}"
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_memory_budget(value: str) -> int | float:
+    """`0.5` -> 0.5 (a fraction of free memory); `2GiB` -> 2147483648 bytes. Raise ValueError otherwise."""
+    text = value.strip().upper().replace(" ", "")
+    try:
+        number = float(text)
+    except ValueError:
+        pass
+    else:
+        if 0 < number <= 1:
+            return number
+        if number > 1 and number.is_integer():
+            return int(number)
+        raise ValueError("must be a fraction in (0, 1] or a size in bytes such as 2GiB")
+    digits = text.rstrip("KMGIB")
+    unit = text[len(digits) :]
+    if unit not in _UNITS or not digits:
+        raise ValueError("must be a fraction in (0, 1] or a size in bytes such as 2GiB")
+    try:
+        size = float(digits) * _UNITS[unit]
+    except ValueError:
+        raise ValueError("must be a fraction in (0, 1] or a size in bytes such as 2GiB") from None
+    if size < 1:
+        raise ValueError("must be a positive size")
+    return int(size)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read settings from the environment (and `overrides`), turning validation errors into SettingsError."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            loc = [str(part) for part in error["loc"]]
+            name = f"{ENV_PREFIX}{loc[0].upper()}" if loc else "settings"
+            message = error["msg"].removeprefix("Value error, ")
+            problems.append(message if message.startswith(ENV_PREFIX) else f"{name}: {message}")
+        raise SettingsError("invalid settings: " + "; ".join(problems)) from None
