@@ -151,15 +151,111 @@ def engine() -> None:
 
 
 @engine.command("serve")
-@click.option("--model", "model_path", type=click.Path(path_type=Path), required=True, help="Model folder.")
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    required=True,
+    help="A Hugging Face model folder (config.json, *.safetensors, tokenizer.json).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", type=int, default=8100, show_default=True, help="Port to bind.")
-@click.option("--dtype", default="auto", show_default=True, help="float32, float16, bfloat16 or auto.")
-@click.option("--max-model-len", type=int, default=None, help="Context length cap.")
-@click.option("--kv-budget", default="0.5", show_default=True, help="Page pool size: bytes or a fraction.")
-def engine_serve(model_path: Path, host: str, port: int, dtype: str, max_model_len: int | None, kv_budget: str) -> None:
-    """Serve one engine over OpenAI-compatible HTTP (arrives with the engine core, issue 3)."""
-    raise click.ClickException("the engine server is not built yet: it arrives with the engine core (issue 3)")
+@click.option("--port", type=click.IntRange(0, 65535), default=8100, show_default=True, help="Port to bind.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="Weight and KV dtype; auto is the checkpoint's (float32 for half checkpoints on a CPU).",
+)
+@click.option(
+    "--max-model-len", type=click.IntRange(min=1), default=None, help="Context length cap (default: the model's)."
+)
+@click.option(
+    "--kv-budget",
+    default=None,
+    help="Page pool size: bytes (2GiB, 512MiB) or a fraction of the memory free after loading (default 0.5).",
+)
+@click.option(
+    "--gpu-memory-utilization",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="vLLM's name for --kv-budget as a fraction.",
+)
+@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block (8 to 128).")
+@click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Requests running at once.")
+@click.option("--max-num-batched-tokens", type=int, default=4096, show_default=True, help="Token budget of one step.")
+@click.option("--served-model-name", default=None, help="The model name clients send (default: the folder's name).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of unseeded sampling.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--num-threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
+def engine_serve(
+    model_path: Path,
+    host: str,
+    port: int,
+    dtype: str,
+    max_model_len: int | None,
+    kv_budget: str | None,
+    gpu_memory_utilization: float | None,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    served_model_name: str | None,
+    seed: int,
+    device: str,
+    num_threads: int | None,
+) -> None:
+    """Serve one model over OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions, /v1/models)."""
+    from dataclasses import fields
+
+    import torch
+
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.errors import CheckpointError
+    from loraplex.engine.server import serve
+    from loraplex.platform.settings import parse_memory_budget
+
+    if kv_budget is not None and gpu_memory_utilization is not None:
+        raise click.UsageError("give --kv-budget or --gpu-memory-utilization, not both")
+    budget: int | float = 0.5 if gpu_memory_utilization is None else gpu_memory_utilization
+    if kv_budget is not None:
+        try:
+            budget = parse_memory_budget(kv_budget)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--kv-budget") from None
+    if device != "auto":
+        try:
+            resolved = torch.device(device)
+        except RuntimeError:
+            raise click.BadParameter(f"{device!r} is not a torch device", param_hint="--device") from None
+        if resolved.type == "cuda" and not torch.cuda.is_available():
+            raise click.BadParameter("CUDA is not available on this machine", param_hint="--device")
+    try:
+        config = EngineConfig(
+            model=model_path,
+            dtype=dtype,  # type: ignore[arg-type]  # click.Choice checked it
+            device=device,
+            max_model_len=max_model_len,
+            kv_budget=budget,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            seed=seed,
+            num_threads=num_threads,
+            served_model_name=served_model_name,
+        )
+    except ValueError as exc:
+        # EngineConfig's messages start with the field's name; point at the option that set it.
+        message = str(exc)
+        field = next((f.name for f in fields(EngineConfig) if message.startswith(f.name)), None)
+        hint = f"--{field.replace('_', '-')}" if field else None
+        raise click.BadParameter(message, param_hint=hint) from None
+
+    _configure_logging()
+    try:
+        asyncio.run(serve(config, host=host, port=port))
+    except (CheckpointError, ValueError) as exc:
+        # A bad model folder, or a context or budget the model and memory cannot honour: the message says which.
+        raise click.ClickException(str(exc)) from None
 
 
 @main.group()

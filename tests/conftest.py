@@ -9,6 +9,7 @@ it, so tests never see each other's data. Names carry a per-session tag so that 
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from typing import TypeVar
@@ -18,6 +19,14 @@ from _support import services
 from _support.services import PostgresServer, RedisServer, S3Server
 
 T = TypeVar("T")
+
+# Triton decides when a function is decorated whether to interpret it, so the switch must be set before any
+# module that defines kernels is imported (engine code imports them at its top).
+if os.environ.get("TRITON_INTERPRET") is None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

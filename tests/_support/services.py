@@ -444,6 +444,10 @@ def local_seaweedfs(weed: Path | None = None) -> Iterator[S3Server]:
                 f"-volume.port={volume}",
                 f"-volume.port.grpc={volume + _GRPC_OFFSET}",
                 "-volume.preStopSeconds=0",  # the default 10 s grace makes every session end 10 s later
+                # Every bucket is a collection with volumes of its own: the defaults (8 volumes of 30 GB) run out
+                # after a few dozen test buckets, and writes then fail with InternalError.
+                "-volume.max=10000",
+                "-master.volumeSizeLimitMB=64",
                 f"-filer.port={filer}",
                 f"-filer.port.grpc={filer + _GRPC_OFFSET}",
                 f"-filer.localSocket={workdir / 'filer.sock'}",

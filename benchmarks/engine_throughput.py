@@ -1,0 +1,200 @@
+"""Engine throughput: 64 requests of mixed lengths, all at once, on a random ~50M-parameter Llama.
+
+Compares, in one run on this machine:
+- loraplex's continuous-batching engine (`LLM.generate` on all 64 requests);
+- transformers' `generate` with static batches (left-padded, greedy), at each batch size, keeping its best;
+- the machine's compute limit for the workload: the workload's FLOPs over the matmul FLOP/s torch reaches here.
+
+Throughput counts useful output tokens: the tokens each request asked for (ignore_eos, so exactly max_tokens).
+
+    .venv/bin/python benchmarks/engine_throughput.py [--threads 2] [--skip-transformers]
+
+writes benchmarks/results/engine_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplex.engine import LLM, SamplingParams
+from loraplex.engine.demo import BENCHMARK_SPEC, write_random_model
+from loraplex.engine.model_config import ModelConfig
+
+RESULTS = Path(__file__).parent / "results" / "engine_throughput.json"
+NUM_REQUESTS = 64
+PROMPT_LENS = (16, 256)
+OUTPUT_LENS = (16, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def make_workload(vocab_size: int, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(4, vocab_size) for _ in range(rng.randint(*PROMPT_LENS))] for _ in range(NUM_REQUESTS)]
+    return Workload(prompts=prompts, max_tokens=[rng.randint(*OUTPUT_LENS) for _ in range(NUM_REQUESTS)])
+
+
+def workload_flops(config: ModelConfig, workload: Workload) -> float:
+    """The arithmetic the workload needs, whoever runs it: every matmul of every token fed to the model once, the
+    lm_head once per generated token, and attention over each token's context (QK and PV)."""
+    c = config
+    matmul_params = c.num_layers * (
+        c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    )
+    flops = 0.0
+    for prompt, out in zip(workload.prompts, workload.max_tokens, strict=True):
+        fed = len(prompt) + out - 1  # the last generated token is never fed back
+        flops += 2 * matmul_params * fed
+        flops += 2 * c.vocab_size * c.hidden_size * out
+        context_sum = fed * (fed + 1) / 2  # token at position p attends p + 1 keys
+        flops += 4 * c.num_layers * c.num_heads * c.head_dim * context_sum
+    return flops
+
+
+def matmul_flops_per_second(size: int = 2048, repeats: int = 10) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def run_loraplex(model_dir: Path, workload: Workload, *, max_num_batched_tokens: int) -> dict[str, Any]:
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        kv_budget=2 * 2**30,
+        max_model_len=512,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:4]], warm)
+    steps_before = llm.engine.num_steps
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == workload.useful_tokens, (produced, workload.useful_tokens)
+    return {
+        "seconds": elapsed,
+        "tokens_per_s": workload.useful_tokens / elapsed,
+        "steps": llm.engine.num_steps - steps_before,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "preemptions": llm.engine.num_preemptions,
+    }
+
+
+def run_transformers(model_dir: Path, workload: Workload, batch_sizes: list[int]) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
+    results: dict[str, Any] = {}
+    for batch_size in batch_sizes:
+        start = time.perf_counter()
+        for first in range(0, NUM_REQUESTS, batch_size):
+            prompts = workload.prompts[first : first + batch_size]
+            outs = workload.max_tokens[first : first + batch_size]
+            width = max(map(len, prompts))
+            ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+            mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+            for row, prompt in enumerate(prompts):  # left padding, as decoder-only generation needs
+                ids[row, width - len(prompt) :] = torch.tensor(prompt)
+                mask[row, width - len(prompt) :] = 1
+            with torch.inference_mode():
+                model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=max(outs),
+                    min_new_tokens=max(outs),
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+        elapsed = time.perf_counter() - start
+        results[str(batch_size)] = {"seconds": elapsed, "tokens_per_s": workload.useful_tokens / elapsed}
+    best = max(results, key=lambda k: results[k]["tokens_per_s"])
+    return {"by_batch_size": results, "best_batch_size": int(best), "best_tokens_per_s": results[best]["tokens_per_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--batch-sizes", default="16,32,64")
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_model(Path(tmp) / "model", dataclasses.replace(BENCHMARK_SPEC, torch_dtype="float32"))
+        config = ModelConfig.from_dir(model_dir)
+        workload = make_workload(config.vocab_size)
+        flops = workload_flops(config, workload)
+        peak = matmul_flops_per_second()
+        limit_tokens_per_s = workload.useful_tokens / (flops / peak)
+
+        ours = run_loraplex(model_dir, workload, max_num_batched_tokens=args.max_num_batched_tokens)
+        theirs = (
+            None
+            if args.skip_transformers
+            else run_transformers(model_dir, workload, [int(b) for b in args.batch_sizes.split(",")])
+        )
+        peak_after = matmul_flops_per_second()
+
+    result: dict[str, Any] = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "torch": torch.__version__,
+        },
+        "model": {
+            "parameters": config.num_parameters(),
+            "hidden": config.hidden_size,
+            "layers": config.num_layers,
+            "heads": config.num_heads,
+            "kv_heads": config.num_kv_heads,
+            "vocab": config.vocab_size,
+            "dtype": "float32",
+        },
+        "workload": {
+            "requests": NUM_REQUESTS,
+            "prompt_tokens": sum(map(len, workload.prompts)),
+            "useful_output_tokens": workload.useful_tokens,
+            "gflop": flops / 1e9,
+        },
+        "matmul_gflops": {"before": peak / 1e9, "after": peak_after / 1e9},
+        "limit_tokens_per_s": limit_tokens_per_s,
+        "loraplex": ours,
+        "loraplex_fraction_of_limit": ours["tokens_per_s"] / limit_tokens_per_s,
+        "transformers": theirs,
+    }
+    if theirs is not None:
+        result["loraplex_over_transformers"] = ours["tokens_per_s"] / theirs["best_tokens_per_s"]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""EngineConfig: every knob of one engine, validated once, before anything is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
+
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: Path
+    dtype: DTypeName = "auto"  # auto: the checkpoint's torch_dtype, but float32 on a CPU for half checkpoints
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # The page pool: bytes (int) or a fraction (0, 1] of the memory free after the weights load.
+    kv_budget: int | float = 0.5
+    block_size: int = 16  # tokens per KV block (one page)
+    max_num_seqs: int = 256  # requests running at once
+    max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
+    max_num_partial_prefills: int = 4  # requests whose prompt is split over steps at once
+    seed: int = 0  # default generator of unseeded sampling
+    num_threads: int | None = None  # CPU threads for torch; default: torch's choice
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be positive")
+        if isinstance(self.kv_budget, float) and not 0 < self.kv_budget <= 1:
+            raise ValueError("kv_budget as a fraction must be in (0, 1]")
+        if isinstance(self.kv_budget, int) and self.kv_budget <= 0:
+            raise ValueError("kv_budget in bytes must be positive")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError("max_num_partial_prefills must be at least 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be at least 1")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        # Half-precision matmuls are slow on most CPUs; auto keeps them for accelerators.
+        if device.type == "cpu" and checkpoint_dtype in (torch.float16, torch.bfloat16):
+            return torch.float32
+        return checkpoint_dtype

@@ -1,0 +1,248 @@
+"""EngineCore: one model, one page pool, one scheduler. `step()` is schedule, run, postprocess.
+
+Not thread-safe: one thread drives it (LLM does so directly, AsyncEngine from its engine thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.errors import ContextLengthExceeded, RequestError
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.model import LlamaModel
+from loraplex.engine.model_config import ModelConfig
+from loraplex.engine.output_processor import OutputProcessor
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.page_pool import PagePool, PoolUsage
+from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.runner import ModelRunner
+from loraplex.engine.sampler import Sampler, SamplingMetadata
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.tokenizer import Tokenizer
+from loraplex.engine.weights import CheckpointTensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What the platform's router reads: load and free capacity."""
+
+    num_waiting: int
+    num_running: int
+    pool: PoolUsage
+    num_preemptions: int
+    num_steps: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = config.resolve_device()
+        path = Path(config.model)
+        self.model_config = ModelConfig.from_dir(path)
+        self.tokenizer = Tokenizer.from_dir(path)
+        self.dtype = config.resolve_dtype(self.model_config.torch_dtype, self.device)
+        self.max_model_len = self._resolve_max_model_len()
+        self.served_model_name = config.served_model_name or path.name
+
+        started = time.perf_counter()
+        self.model = LlamaModel(
+            self.model_config, dtype=self.dtype, device=self.device, max_positions=self.max_model_len
+        )
+        self.model.load(CheckpointTensors(path))
+        logger.info(
+            "loaded %s (%s, %.1f M parameters, %.0f MiB) in %.1f s",
+            path,
+            self.dtype,
+            self.model_config.num_parameters() / 1e6,
+            self.model.weight_bytes() / 2**20,
+            time.perf_counter() - started,
+        )
+
+        self.pool = self._create_pool()
+        c = self.model_config
+        kv_caches = [self.pool.kv_layer(i, c.num_kv_heads, config.block_size, c.head_dim) for i in range(c.num_layers)]
+        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                watermark_pages=max(1, self.pool.num_pages // 100),
+            ),
+            self.kv,
+        )
+        self.runner = ModelRunner(self.model, kv_caches, block_size=config.block_size, device=self.device)
+        self.sampler = Sampler()
+        self.eos_token_ids = self.tokenizer.eos_token_ids | self.model_config.eos_token_ids
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self._default_generator = torch.Generator(device=self.device)
+        self._default_generator.manual_seed(config.seed)
+
+    def _resolve_max_model_len(self) -> int:
+        c = self.model_config
+        limit = c.max_position_embeddings
+        if c.sliding_window is not None:
+            # No sliding-window attention here: cap the context where full attention is still exact.
+            limit = min(limit, c.sliding_window)
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit}")
+        return self.config.max_model_len
+
+    def _create_pool(self) -> PagePool:
+        c = self.model_config
+        block_size = self.config.block_size
+        page_elems = 2 * c.num_kv_heads * block_size * c.head_dim
+        page_bytes = c.num_layers * page_elems * torch.empty(0, dtype=self.dtype).element_size()
+        budget = self.config.kv_budget
+        if isinstance(budget, float):
+            if self.device.type == "cuda":
+                free = torch.cuda.mem_get_info(self.device)[0]
+            else:
+                free = psutil.virtual_memory().available
+            budget = int(free * budget)
+        num_pages = budget // page_bytes
+        needed = -(-self.max_model_len // block_size)
+        if num_pages < needed:
+            raise ValueError(
+                f"the KV budget holds {num_pages * block_size} tokens but one request may need {self.max_model_len}: "
+                "raise kv_budget or lower max_model_len"
+            )
+        logger.info("page pool: %d pages of %d KiB (%d tokens)", num_pages, page_bytes // 1024, num_pages * block_size)
+        return PagePool(
+            num_pages=num_pages,
+            num_layers=c.num_layers,
+            page_elems=page_elems,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    # --- requests ------------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+    ) -> Request:
+        """Validate and queue a request; raises RequestError (ContextLengthExceeded) for bad input."""
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        room = self.check_request(prompt_token_ids, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            max_tokens=min(params.max_tokens or room, room),
+            prompt=prompt,
+            generator=generator,
+        )
+        self.requests[request_id] = request
+        self.outputs.add(request)
+        self.scheduler.add(request)
+        return request
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise RequestError if the request can never run; return how many tokens it may generate at most.
+
+        Reads only immutable state, so any thread may call it.
+        """
+        if not prompt_token_ids:
+            raise RequestError("the prompt must contain at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        num_prompt = len(prompt_token_ids)
+        room = self.max_model_len - num_prompt
+        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+            asked = num_prompt + (params.max_tokens or 0)
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{asked} tokens ({num_prompt} in the prompt, {params.max_tokens or 0} for the completion). "
+                "Please reduce the length of the prompt or the completion."
+            )
+        return room
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and give back all its pages; returns its final output (None if unknown)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._finalize(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step ------------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; outputs of every request that got a new token or finished."""
+        sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
+        if sched.is_empty:
+            return []
+        prepared = self.runner.prepare(sched)
+        logits = self.runner.execute(prepared)
+        for scheduled in sched.scheduled:
+            scheduled.request.num_computed_tokens += scheduled.num_new_tokens
+        self.num_steps += 1
+
+        rows = prepared.sample_requests
+        if not rows:
+            return []
+        metadata = SamplingMetadata.build(
+            [r.sampling_params for r in rows],
+            [r.generator for r in rows],
+            [r.output_token_ids for r in rows],
+            forbidden_token_ids=[self.outputs.forbidden_tokens(r) for r in rows],
+            default_generator=self._default_generator,
+            device=self.device,
+        )
+        sampled = self.sampler.sample(logits, metadata)
+        outputs: list[RequestOutput] = []
+        for i, request in enumerate(rows):
+            token_logprobs = sampled.logprobs[i] if sampled.logprobs is not None else None
+            status = self.outputs.process_token(request, sampled.token_ids[i], token_logprobs)
+            if status is None:
+                outputs.append(self.outputs.make_output(request))
+            else:
+                self.scheduler.finish(request, status)
+                outputs.append(self._finalize(request))
+        return outputs
+
+    def _finalize(self, request: Request) -> RequestOutput:
+        output = self.outputs.make_output(request)
+        self.outputs.remove(request.request_id)
+        del self.requests[request.request_id]
+        return output
+
+    def state(self) -> EngineState:
+        return EngineState(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            pool=self.pool.usage(),
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,108 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypedDict
+
+from loraplex.engine.config import DTypeName, EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.tokenizer import Tokenizer
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+Prompt = str | TokensPrompt
+Message = dict[str, str]
+
+
+class LLM:
+    """Loads a model once and runs batches of prompts through the continuous-batching engine.
+
+    `options` are EngineConfig fields: max_model_len, kv_budget, block_size, max_num_seqs,
+    max_num_batched_tokens, seed, device, num_threads, served_model_name.
+    """
+
+    def __init__(self, model: str | Path, *, dtype: DTypeName = "auto", **options: Any) -> None:
+        if "gpu_memory_utilization" in options:  # vLLM's name for the same budget
+            options["kv_budget"] = float(options.pop("gpu_memory_utilization"))
+        self.engine = EngineCore(EngineConfig(model=Path(model), dtype=dtype, **options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        prompt_list: list[Prompt] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        tokenizer = self.engine.tokenizer
+        encoded: list[tuple[str | None, list[int]]] = [
+            (p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p["prompt_token_ids"])) for p in prompt_list
+        ]
+        return self._generate(encoded, self._params_for(len(encoded), sampling_params))
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations: list[list[Message]] = [list(messages)] if single else [list(c) for c in messages]  # type: ignore[arg-type]
+        tokenizer = self.engine.tokenizer
+        encoded: list[tuple[str | None, list[int]]] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            # The template writes any BOS itself; encoding must not add a second one.
+            encoded.append((text, tokenizer.encode(text, add_special_tokens=False)))
+        return self._generate(encoded, self._params_for(len(encoded), sampling_params))
+
+    def _generate(
+        self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        request_ids: list[str] = []
+        try:
+            for (text, token_ids), params in zip(encoded, params_list, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                request_ids.append(request_id)
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids)
+
+    def _params_for(
+        self, count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"got {count} prompts but {len(params)} sampling params")
+        return params
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        while wanted - finished.keys():
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError("the engine stopped with requests unfinished")
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in request_ids]

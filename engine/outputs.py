@@ -1,0 +1,42 @@
+"""What the engine hands back, shaped like vLLM's RequestOutput so its users feel at home."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One position's log-probabilities: the sampled token and the top-n alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str  # everything generated so far (held back: a tail that may still become a stop string)
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

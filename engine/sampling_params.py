@@ -1,0 +1,178 @@
+"""Per-request sampling settings, shaped like vLLM's `SamplingParams` so its users feel at home.
+
+`SamplingParams(temperature=0.7, top_p=0.9, stop=["\\n"], max_tokens=64)`: keyword construction, validated at
+once; a bad value raises `RequestError` whose `param` names the field and whose message can go to an API user
+as is. The object is frozen, so what was validated is what the engine runs; use `dataclasses.replace` to derive
+a changed copy (it validates again).
+
+The constructor is written out by hand rather than generated: it accepts vLLM's loose input types (`stop` as a
+string or a list, lists for the id and processor fields) while the attributes have one normalized type each
+(tuples), so code that reads them is type-checked against what is really there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, TypeAlias, TypeGuard
+
+from loraplex.engine.errors import RequestError
+
+if TYPE_CHECKING:
+    import torch
+
+# A per-row logits hook: (the request's output token ids so far, its logits [vocab] float32) -> logits [vocab].
+# It may modify the tensor in place and return it, or return a new one; it must not keep either argument.
+LogitsProcessor: TypeAlias = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
+
+MAX_LOGPROBS: Final = 20  # most top logprobs a request may ask for per token (OpenAI's top_logprobs limit)
+
+# Temperatures below this sample greedily: dividing logits by a tinier one overflows float32 (vLLM's rule too).
+GREEDY_TEMPERATURE: Final = 1e-5
+
+# torch.Generator.manual_seed accepts exactly this range; checking here keeps a bad seed a 400, not a crash.
+_MIN_SEED: Final = -(2**63)
+_MAX_SEED: Final = 2**64 - 1
+
+_INVALID: Final = "invalid_value"
+
+
+def _invalid(param: str, message: str) -> RequestError:
+    return RequestError(message, code=_INVALID, param=param)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(param: str, value: object, *, low: int, high: int | None = None) -> int:
+    if not _is_int(value):
+        raise _invalid(param, f"{param} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise _invalid(param, f"{param} must be {bounds}, got {value}")
+    return value
+
+
+def _float(param: str, value: object, *, low: float, high: float | None = None, low_open: bool = False) -> float:
+    if not (isinstance(value, int | float) and not isinstance(value, bool)) or not math.isfinite(value):
+        raise _invalid(param, f"{param} must be a finite number, got {value!r}")
+    number = float(value)
+    if number < low or (low_open and number == low) or (high is not None and number > high):
+        lower = f"> {low}" if low_open else f">= {low}"
+        bounds = lower if high is None else f"{lower} and <= {high}"
+        raise _invalid(param, f"{param} must be {bounds}, got {value}")
+    return number
+
+
+def _bool(param: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _invalid(param, f"{param} must be true or false, got {value!r}")
+    return value
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, Sequence) or not all(isinstance(s, str) for s in items):
+        raise _invalid("stop", f"stop must be a string or a list of strings, got {value!r}")
+    if any(s == "" for s in items):
+        raise _invalid("stop", "stop strings must not be empty")
+    return tuple(items)
+
+
+def _token_ids(param: str, value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise _invalid(param, f"{param} must be a list of token ids, got {value!r}")
+    return tuple(_int(param, token, low=0) for token in value)
+
+
+def _processors(value: object) -> tuple[LogitsProcessor, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(callable(f) for f in value):
+        raise _invalid("logits_processors", "logits_processors must be a list of callables")
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class SamplingParams:
+    """How one request picks its tokens and when it stops. Defaults match vLLM's."""
+
+    n: int  # completions per request; only 1 is supported
+    temperature: float  # >= 0; 0 (below GREEDY_TEMPERATURE) means greedy
+    top_p: float  # nucleus: keep the most likely tokens whose mass reaches top_p; 0 < top_p <= 1
+    top_k: int  # keep the top_k most likely tokens; 0 or -1 keeps all
+    min_p: float  # drop tokens less likely than min_p times the most likely one; 0 <= min_p <= 1
+    seed: int | None  # a seeded request's tokens depend only on the seed and its logits, never on its batch
+    stop: tuple[str, ...]  # strings that end the output (not included unless include_stop_str_in_output)
+    stop_token_ids: tuple[int, ...]  # token ids that end the output, besides EOS
+    max_tokens: int | None  # most tokens to generate; None: up to the context length
+    min_tokens: int  # EOS and stop token ids cannot be sampled before this many tokens
+    ignore_eos: bool  # keep generating after EOS (benchmarks)
+    logprobs: int | None  # None: no logprobs; k: the sampled token's logprob and the top k (0..MAX_LOGPROBS)
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    logits_processors: tuple[LogitsProcessor, ...]  # applied in order to the request's logits row, pre-sampling
+
+    def __init__(
+        self,
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = 16,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        logits_processors: Sequence[LogitsProcessor] | None = None,
+    ) -> None:
+        if not _is_int(n) or n != 1:
+            message = f"n must be 1 (one completion per request), got {n!r}"
+            raise RequestError(message, code="unsupported_value", param="n")
+        if not _is_int(top_k) or top_k < -1:
+            raise _invalid("top_k", f"top_k must be a positive integer, or 0 or -1 for no limit; got {top_k!r}")
+        if max_tokens is not None:
+            _int("max_tokens", max_tokens, low=1)
+        _int("min_tokens", min_tokens, low=0)
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise _invalid("min_tokens", f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})")
+        if seed is not None:
+            _int("seed", seed, low=_MIN_SEED, high=_MAX_SEED)
+        if logprobs is not None:
+            _int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
+        fields: dict[str, object] = {
+            "n": n,
+            "temperature": _float("temperature", temperature, low=0.0),
+            "top_p": _float("top_p", top_p, low=0.0, high=1.0, low_open=True),
+            "top_k": top_k,
+            "min_p": _float("min_p", min_p, low=0.0, high=1.0),
+            "seed": seed,
+            "stop": _stop_strings(stop),
+            "stop_token_ids": _token_ids("stop_token_ids", stop_token_ids),
+            "max_tokens": max_tokens,
+            "min_tokens": min_tokens,
+            "ignore_eos": _bool("ignore_eos", ignore_eos),
+            "logprobs": logprobs,
+            "skip_special_tokens": _bool("skip_special_tokens", skip_special_tokens),
+            "include_stop_str_in_output": _bool("include_stop_str_in_output", include_stop_str_in_output),
+            "logits_processors": _processors(logits_processors),
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request takes the most likely token each step (top_k, top_p, min_p and seed are moot)."""
+        return self.temperature < GREEDY_TEMPERATURE

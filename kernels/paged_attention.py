@@ -1,0 +1,534 @@
+"""Paged attention for a continuous-batching step that mixes chunked-prefill and decode sequences.
+
+The keys and values of every sequence live in a paged KV cache: fixed-size blocks of `block_size` tokens, found
+through the sequence's row of `block_tables`. This step's keys and values are already written to the cache
+before attention runs, so a query sees the cached context and this step's tokens alike.
+
+Semantics (the reference loop; `paged_attention_torch` and the Triton kernel both compute this):
+
+    group = num_heads // num_kv_heads
+    for i in range(num_seqs):
+        q_len = query_start_loc[i + 1] - query_start_loc[i]
+        L = seq_lens[i]                                   # includes this step's q_len tokens
+        for j in range(q_len):
+            p = L - q_len + j                             # absolute position of query j
+            for h in range(num_heads):
+                kv_h = h // group
+                keys = [k_cache[block_tables[i, t // block_size], kv_h, t % block_size] for t in range(p + 1)]
+                values = [v_cache[block_tables[i, t // block_size], kv_h, t % block_size] for t in range(p + 1)]
+                w = softmax([scale * dot(q[query_start_loc[i] + j, h], k) for k in keys])  # in float32
+                out[query_start_loc[i] + j, h] = sum(w_t * v_t for w_t, v_t in zip(w, values))  # cast to q.dtype
+
+Slots past a sequence's length and padding entries of `block_tables` may hold anything, NaN included (pool
+pages are not cleared), without changing the result.
+
+`paged_attention` dispatches: the Triton kernel for CUDA tensors, the torch path otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton  # type: ignore[import-untyped]
+    import triton.language as tl  # type: ignore[import-untyped]
+except ImportError:  # the CPU image ships without Triton; the torch path needs none
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+
+__all__ = ["HAS_TRITON", "paged_attention", "paged_attention_torch", "paged_attention_triton"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# The torch path pads the prefill sequences of one SDPA call to the longest query and context among them; a
+# sequence joins a call only while the call's useful work (sum of q_len * seq_len) stays at least this share of
+# its padded work. On 2 CPU cores SDPA's time follows the padded work: 0.85 to 0.95 measured alike, 0.7 took
+# 1.4x as long on 64 prompts of 16..256 tokens, and 1.0 (one call per length) paid more in per-call overhead.
+_MIN_BUCKET_EFFICIENCY = 0.9
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    *,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], q's dtype
+) -> torch.Tensor:
+    """Attention of this step's queries over their sequences' paged KV cache; see the module docstring.
+
+    `max_query_len` and `max_seq_len` are host ints (upper bounds are fine) so that no path has to read a
+    device tensor to size its work. Returns `out` (allocated when not given), dtype of `q`.
+    """
+    fn = paged_attention_triton if q.is_cuda else paged_attention_torch
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale=scale,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        out=out,
+    )
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None,
+) -> None:
+    """Raise ValueError on any shape, dtype or device mismatch; values are not read (that would sync)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"k_cache must be [num_blocks, num_kv_heads, block_size, head_dim], got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape {tuple(k_cache.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and of the cache ({k_cache.shape[3]}) differ")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be one of {_SUPPORTED_DTYPES}, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks_per_seq], got shape {tuple(block_tables.shape)}")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_start_loc must be [num_seqs + 1={num_seqs + 1}], got shape {tuple(query_start_loc.shape)}"
+        )
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    named = [("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)]
+    named.append(("query_start_loc", query_start_loc))
+    if out is not None:
+        named.append(("out", out))
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, {out.dtype}")
+    for name, t in named:
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
+    if num_seqs > 0 and (max_query_len < 1 or max_seq_len < max_query_len):
+        raise ValueError(f"need 1 <= max_query_len <= max_seq_len, got {max_query_len} and {max_seq_len}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Torch path (CPU serving)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    *,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], q's dtype
+) -> torch.Tensor:
+    """The vectorized torch path that CPU serving runs; same semantics as the module docstring.
+
+    Decode sequences (q_len == 1) run together in one ragged pass over only the blocks they use. The other
+    sequences run in a few padded scaled_dot_product_attention calls, each over sequences of similar query
+    and context length. benchmarks/attention_cpu.py times it. Slower on 2 cores when measured: padding
+    decode to the longest context (about 2x), permuting gathered K/V to [seq, kv_head, token, dim] for decode,
+    one SDPA call per sequence, one padded call for all prefills, and splitting prompts into query chunks so
+    that SDPA skips masked keys (below about 1k tokens SDPA's CPU kernel costs the same causal or not, and
+    smaller calls run less efficiently). It reads the small metadata tensors on the host, which on CUDA would
+    synchronize: CUDA callers want the Triton kernel.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, out)
+    if out is None:
+        out = torch.empty_like(q)
+    if block_tables.shape[0] == 0 or q.shape[0] == 0:
+        return out
+    starts = query_start_loc[:-1].long()
+    q_lens = query_start_loc[1:].long() - starts
+    ctx_lens = seq_lens.long()
+    max_blocks = min(block_tables.shape[1], math.ceil(max_seq_len / k_cache.shape[2]))
+    if max_query_len == 1:
+        _decode(q, k_cache, v_cache, block_tables, ctx_lens, starts, scale, max_blocks, out)
+        return out
+    is_decode = q_lens == 1
+    decode_ids = torch.nonzero(is_decode).squeeze(1)
+    if decode_ids.numel() > 0:
+        _decode(
+            q,
+            k_cache,
+            v_cache,
+            block_tables.index_select(0, decode_ids),
+            ctx_lens.index_select(0, decode_ids),
+            starts.index_select(0, decode_ids),
+            scale,
+            max_blocks,
+            out,
+        )
+    prefill_ids = torch.nonzero(~is_decode).squeeze(1)
+    if prefill_ids.numel() == 0:
+        return out
+    # Longest context first, so that each bucket's first sequence fixes its padded context length.
+    prefill_ids = prefill_ids[torch.argsort(ctx_lens.index_select(0, prefill_ids), descending=True, stable=True)]
+    ctx_list = ctx_lens.index_select(0, prefill_ids).tolist()
+    rows_list = q_lens.index_select(0, prefill_ids).tolist()
+    for members in _plan_buckets(ctx_list, rows_list):
+        ids = prefill_ids[members]
+        _prefill_bucket(
+            q,
+            k_cache,
+            v_cache,
+            block_tables.index_select(0, ids),
+            starts.index_select(0, ids),
+            q_lens.index_select(0, ids),
+            ctx_lens.index_select(0, ids),
+            scale,
+            max(rows_list[m] for m in members),
+            ctx_list[members[0]],
+            all(rows_list[m] == ctx_list[m] for m in members),
+            out,
+        )
+    return out
+
+
+def _plan_buckets(ctx_lens: list[int], q_lens: list[int]) -> list[list[int]]:
+    """Group prefill sequences (sorted by context length, longest first) into padded attention calls.
+
+    First fit: a sequence joins the first bucket whose useful work stays >= _MIN_BUCKET_EFFICIENCY of its
+    padded work (members * max q_len * first member's context). A loop over sequences, on host ints.
+    """
+    buckets: list[list[int]] = []
+    stats: list[tuple[int, int, int]] = []  # per bucket: padded context length, max q_len, useful work
+    for i, (ctx, rows) in enumerate(zip(ctx_lens, q_lens, strict=True)):
+        for b, (width, max_rows, useful) in enumerate(stats):
+            new_rows = max(max_rows, rows)
+            new_useful = useful + rows * ctx
+            if new_useful >= _MIN_BUCKET_EFFICIENCY * (len(buckets[b]) + 1) * new_rows * width:
+                buckets[b].append(i)
+                stats[b] = (width, new_rows, new_useful)
+                break
+        else:
+            buckets.append([i])
+            stats.append((ctx, rows, rows * ctx))
+    return buckets
+
+
+def _decode(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables: torch.Tensor,  # [n, max_blocks_per_seq] int32: the decode sequences' rows
+    ctx_lens: torch.Tensor,  # [n] int64
+    tokens: torch.Tensor,  # [n] int64: each sequence's single query row in q
+    scale: float,
+    max_blocks: int,  # upper bound on blocks per sequence
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+) -> None:
+    """One query per sequence, over exactly the blocks each sequence uses (no padding to the longest).
+
+    Scores come per (block, kv head) from one batched matmul on the gathered blocks, each a contiguous
+    [block_size, head_dim] matrix, so K and V are copied once and never permuted; the softmax is then
+    reduced across each sequence's blocks. GQA: the `group` query heads of a kv head are the rows of one
+    matmul instead of repeated keys.
+    """
+    n = ctx_lens.shape[0]
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    device = q.device
+    num_blocks = (ctx_lens + block_size - 1) // block_size  # [n]
+    used = torch.arange(max_blocks, device=device) < num_blocks[:, None]  # [n, max_blocks]
+    flat = torch.nonzero(used.view(-1)).squeeze(1)  # [nb]: index into the [n * max_blocks] grid
+    owner = flat // max_blocks  # [nb]: sequence of each gathered block
+    block_ids = block_tables[:, :max_blocks].reshape(-1).index_select(0, flat).long()
+    keys = k_cache.index_select(0, block_ids).float()  # [nb, kv_heads, block_size, head_dim]
+    values = v_cache.index_select(0, block_ids).float()
+    queries = q.index_select(0, tokens).float().view(n, num_kv_heads, group, head_dim).index_select(0, owner)
+
+    scores = torch.matmul(queries, keys.transpose(-1, -2))  # [nb, kv_heads, group, block_size]
+    scores.mul_(scale)
+    positions = (flat % max_blocks)[:, None] * block_size + torch.arange(block_size, device=device)
+    valid = positions < ctx_lens.index_select(0, owner)[:, None]  # [nb, block_size]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    # Per-sequence max over its blocks: scatter the per-block maxima into the padded grid, reduce there.
+    block_max = torch.full((n * max_blocks, num_kv_heads, group), float("-inf"), device=device)
+    block_max[flat] = scores.amax(-1)
+    seq_max = block_max.view(n, max_blocks, num_kv_heads, group).amax(1)  # [n, kv_heads, group]
+    probs = torch.exp(scores - seq_max.index_select(0, owner)[..., None])
+    denom = torch.zeros(n, num_kv_heads, group, device=device).index_add_(0, owner, probs.sum(-1))
+    # Unused slots of a last block may hold NaN (pages are not cleared), and 0 * NaN is NaN.
+    bad_blocks, bad_slots = torch.nonzero(~valid, as_tuple=True)
+    values[bad_blocks, :, bad_slots] = 0.0
+    partial = torch.matmul(probs, values)  # [nb, kv_heads, group, head_dim]
+    acc = torch.zeros(n, num_kv_heads, group, head_dim, device=device).index_add_(0, owner, partial)
+    acc.div_(denom[..., None])
+    out.index_copy_(0, tokens, acc.view(n, -1, head_dim).to(out.dtype))
+
+
+def _prefill_bucket(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables: torch.Tensor,  # [n, max_blocks_per_seq] int32: this bucket's rows
+    starts: torch.Tensor,  # [n] int64: first query row of each sequence in q
+    q_lens: torch.Tensor,  # [n] int64
+    ctx_lens: torch.Tensor,  # [n] int64
+    scale: float,
+    max_rows: int,  # max of q_lens
+    max_ctx: int,  # max of ctx_lens
+    fresh: bool,  # every sequence has q_len == seq_len: causal from position 0
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+) -> None:
+    """One SDPA call over sequences padded to [max_rows] queries and [max_ctx rounded to blocks] keys."""
+    n = ctx_lens.shape[0]
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    num_heads = q.shape[1]
+    device = q.device
+    num_blocks = math.ceil(max_ctx / block_size)
+    width = num_blocks * block_size
+    block_ids = block_tables[:, :num_blocks].reshape(-1).long()
+    # Kv-head-major, so that each (sequence, kv head) is a contiguous [width, head_dim] matrix: one copy.
+    # (index_select on a transposed cache would first copy the whole pool; a slice per head does not.)
+    keys = torch.empty(num_kv_heads, n * num_blocks, block_size, head_dim, dtype=k_cache.dtype, device=device)
+    values = torch.empty_like(keys)
+    for h in range(num_kv_heads):
+        torch.index_select(k_cache[:, h], 0, block_ids, out=keys[h])
+        torch.index_select(v_cache[:, h], 0, block_ids, out=values[h])
+    # Positions past a sequence's length may hold NaN, which a -inf mask would not hide from SDPA.
+    key_pos = torch.arange(width, device=device)
+    stale = torch.nonzero((key_pos >= ctx_lens[:, None]).view(-1)).squeeze(1)
+    keys.view(num_kv_heads, n * width, head_dim).index_fill_(1, stale, 0.0)
+    values.view(num_kv_heads, n * width, head_dim).index_fill_(1, stale, 0.0)
+
+    row = torch.arange(max_rows, device=device)
+    row_valid = row < q_lens[:, None]  # [n, max_rows]
+    # Padding rows repeat the sequence's last query; their outputs are dropped.
+    tokens = starts[:, None] + torch.minimum(row, q_lens[:, None] - 1)  # [n, max_rows]
+    queries = q.index_select(0, tokens.view(-1)).view(n, max_rows, num_heads, head_dim).transpose(1, 2)
+    keys_t = keys.view(num_kv_heads, n, width, head_dim).transpose(0, 1)  # [n, kv_heads, width, head_dim]
+    values_t = values.view(num_kv_heads, n, width, head_dim).transpose(0, 1)
+    if fresh:
+        # Query j sits at position j: SDPA's top-left causal mask is exact, no mask tensor needed.
+        result = F.scaled_dot_product_attention(queries, keys_t, values_t, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        query_pos = (ctx_lens - q_lens)[:, None] + row  # [n, max_rows]
+        allowed = key_pos[None, None, :] <= query_pos[:, :, None]  # [n, max_rows, width]
+        result = F.scaled_dot_product_attention(
+            queries, keys_t, values_t, attn_mask=allowed[:, None], scale=scale, enable_gqa=True
+        )
+    result = result.transpose(1, 2)  # [n, max_rows, num_heads, head_dim]
+    out.index_copy_(0, tokens[row_valid], result[row_valid].to(out.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Triton kernel (CUDA; CPU under TRITON_INTERPRET=1 for tests)
+# ---------------------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # Triton reads parameter annotations itself
+        # Pointers
+        q_ptr,  # [num_tokens, num_heads, head_dim]
+        k_cache_ptr,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        v_cache_ptr,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+        seq_lens_ptr,  # [num_seqs] int32
+        query_start_loc_ptr,  # [num_seqs + 1] int32
+        out_ptr,  # [num_tokens, num_heads, head_dim]
+        # Sizes
+        scale,  # softmax scale
+        head_dim,
+        # Strides
+        stride_q_token,
+        stride_q_head,
+        stride_q_dim,
+        stride_k_block,
+        stride_k_head,
+        stride_k_slot,
+        stride_k_dim,
+        stride_v_block,
+        stride_v_head,
+        stride_v_slot,
+        stride_v_dim,
+        stride_bt_seq,
+        stride_bt_block,
+        stride_o_token,
+        stride_o_head,
+        stride_o_dim,
+        # Meta-parameters
+        GROUP_SIZE: tl.constexpr,  # query heads per kv head
+        GROUP_PAD: tl.constexpr,  # GROUP_SIZE rounded up to a power of two
+        BLOCK_Q: tl.constexpr,  # queries per program; the tile has BLOCK_Q * GROUP_PAD rows
+        BLOCK_N: tl.constexpr,  # keys per tile
+        BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two
+        BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
+        DOT_FP32: tl.constexpr,  # upcast tl.dot operands: the interpreter gets half-type dots wrong
+        DOT_PRECISION: tl.constexpr,  # "ieee" for float32 operands: TF32 would drop their low mantissa bits
+    ):
+        """Program (seq, query block, kv head): BLOCK_Q queries x the GROUP_SIZE heads sharing one kv head."""
+        seq = tl.program_id(0)
+        q_block = tl.program_id(1)
+        kv_head = tl.program_id(2)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        if q_block * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - q_len  # tokens cached before this step's first query
+
+        # Row r of the tile: query q_block * BLOCK_Q + r // GROUP_PAD, head r % GROUP_PAD of the group.
+        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        q_idx = q_block * BLOCK_Q + rows // GROUP_PAD
+        head_in_group = rows % GROUP_PAD
+        head = kv_head * GROUP_SIZE + head_in_group
+        row_valid = (q_idx < q_len) & (head_in_group < GROUP_SIZE)
+        q_pos = context_len + q_idx  # every row, padding included, sees key 0: no row is all -inf
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < head_dim
+        q_offs = (q_start + q_idx)[:, None] * stride_q_token + head[:, None] * stride_q_head
+        q_mask = row_valid[:, None] & d_valid[None, :]
+        q = tl.load(q_ptr + q_offs + offs_d[None, :] * stride_q_dim, mask=q_mask, other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+
+        # Causal: no row of this tile attends past its last query's position.
+        kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+        qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
+        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        k_head = k_cache_ptr + kv_head * stride_k_head
+        v_head = v_cache_ptr + kv_head * stride_v_head
+        for start_n in range(0, kv_end, BLOCK_N):
+            pos = start_n + offs_n
+            key_valid = pos < kv_end
+            # Physical block of every key; masked loads never touch slots past the sequence's length.
+            block = tl.load(
+                block_tables_ptr + seq * stride_bt_seq + (pos // BLOCK_SIZE) * stride_bt_block, mask=key_valid
+            ).to(tl.int64)  # int64: block * stride overflows int32 in large pools
+            slot = pos % BLOCK_SIZE
+            kv_mask = key_valid[:, None] & d_valid[None, :]
+            k = tl.load(
+                k_head
+                + block[:, None] * stride_k_block
+                + slot[:, None] * stride_k_slot
+                + offs_d[None, :] * stride_k_dim,
+                mask=kv_mask,
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_D]
+            v = tl.load(
+                v_head
+                + block[:, None] * stride_v_block
+                + slot[:, None] * stride_v_slot
+                + offs_d[None, :] * stride_v_dim,
+                mask=kv_mask,
+                other=0.0,
+            )
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [rows, BLOCK_N], float32
+            qk = tl.where((pos[None, :] <= q_pos[:, None]) & key_valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        acc = acc / l_i[:, None]
+        o_offs = (q_start + q_idx)[:, None] * stride_o_token + head[:, None] * stride_o_head
+        tl.store(
+            out_ptr + o_offs + offs_d[None, :] * stride_o_dim,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & d_valid[None, :],
+        )
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    *,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], q's dtype
+) -> torch.Tensor:
+    """Launch the Triton kernel: check, allocate, launch. CPU tensors work under TRITON_INTERPRET=1."""
+    if not HAS_TRITON:
+        raise RuntimeError("paged_attention_triton needs Triton (the `kernels` extra); use paged_attention_torch")
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, out)
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = block_tables.shape[0]
+    if num_seqs == 0 or q.shape[0] == 0:
+        return out
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # 16 rows (tl.dot's minimum) when queries are single tokens, else 64: decode wastes few rows.
+    block_rows = max(16 if max_query_len * group_pad <= 16 else 64, group_pad)
+    block_q = block_rows // group_pad
+    block_n = max(64, triton.next_power_of_2(block_size))
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    dot_fp32 = q.device.type == "cpu"  # only the interpreter runs on CPU tensors
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        scale,
+        head_dim,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_tables.stride(),
+        *out.stride(),
+        GROUP_SIZE=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        DOT_FP32=dot_fp32,
+        DOT_PRECISION="ieee" if dot_fp32 or q.dtype == torch.float32 else "tf32",
+    )
+    return out

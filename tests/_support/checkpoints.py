@@ -1,0 +1,83 @@
+"""Small random checkpoints made with transformers, one per Llama-family variant the engine must serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 512
+
+# Larger than transformers' default init (0.02), so logits spread and a wrong computation shows.
+INIT_STD = 0.15
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    # Llama with grouped-query attention.
+    "llama-gqa": {"arch": "llama", "num_attention_heads": 4, "num_key_value_heads": 2},
+    # Qwen2: biases on q, k and v.
+    "qwen2-bias": {"arch": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2},
+    # Tied input and output embeddings.
+    "llama-tied": {"arch": "llama", "num_attention_heads": 4, "num_key_value_heads": 4, "tie_word_embeddings": True},
+    # Llama 3 rope scaling, with positions past the original context so the scaling matters.
+    "llama3-rope": {
+        "arch": "llama",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    },
+    "mistral": {"arch": "mistral", "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None},
+}
+
+
+def make_checkpoint(path: Path, variant: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+    """Write a random checkpoint of `variant` (and a tokenizer) into `path` with transformers."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    from loraplex.engine.demo import write_tokenizer
+
+    spec = dict(VARIANTS[variant])
+    arch = spec.pop("arch")
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[arch]
+    config = config_cls(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=1024,
+        initializer_range=INIT_STD,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=1,
+        **spec,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype)
+    with torch.no_grad():
+        # Norm weights start at 1.0; jitter them so a skipped or misplaced norm shows in the logits.
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith("bias"):
+                param.normal_(0, INIT_STD)
+    model.save_pretrained(path)
+    write_tokenizer(path, vocab_size=VOCAB)
+    return path

@@ -1,0 +1,292 @@
+"""Paged attention: the torch path and the Triton kernel against a naive loop over sequences and queries.
+
+Without CUDA the Triton kernel runs in Triton's interpreter, which Triton picks when a function is decorated,
+its own library's included: TRITON_INTERPRET must be set before anything in the session imports Triton.
+Every cache slot that no sequence owns (tails of last blocks, unused blocks) holds NaN, so a path that reads
+past a sequence's length, or lets a masked NaN into a sum, fails every comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from loraplex.kernels import paged_attention as pa  # noqa: E402  (after TRITON_INTERPRET, see above)
+
+pytestmark = pytest.mark.unit
+
+ATOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+# (q_len, seq_len) per sequence. Lengths straddle block boundaries for block sizes 16 and 32.
+DECODE = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 33), (1, 64), (1, 65)]
+FRESH = [(5, 5), (16, 16), (17, 17), (33, 33)]
+CHUNKED = [(3, 40), (16, 49), (31, 32), (2, 17)]
+MIXED = [(1, 17), (5, 5), (3, 40), (1, 33), (17, 17), (1, 1), (16, 49), (1, 16)]
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    scale: float
+    max_query_len: int
+    max_seq_len: int
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"scale": self.scale, "max_query_len": self.max_query_len, "max_seq_len": self.max_seq_len}
+
+
+def make_batch(
+    layout: list[tuple[int, int]],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    strided: bool = False,
+    device: str = "cpu",
+    seed: int = 0,
+) -> Batch:
+    """Sequences with their blocks at shuffled pool positions, spare blocks, NaN in every unowned slot.
+
+    strided: K and V are views into one page-major pool and q is a slice of a wider tensor.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(seq_len / block_size) for _, seq_len in layout]
+    num_blocks = sum(blocks_per_seq) + 3
+    pool_ids = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(layout), max(blocks_per_seq) + 2, dtype=torch.int32)  # 0-padded past the end
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    taken = 0
+    for i, (_, seq_len) in enumerate(layout):
+        ids = pool_ids[taken : taken + blocks_per_seq[i]]
+        taken += blocks_per_seq[i]
+        block_tables[i, : ids.numel()] = ids.to(torch.int32)
+        for t in range(seq_len):
+            owned[ids[t // block_size], t % block_size] = True
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    if strided:
+        # One page-major pool holding K and V side by side: the caches are non-contiguous views of it.
+        pool = torch.randn(num_blocks, 2, num_kv_heads, block_size, head_dim, generator=gen).to(dtype)
+        k_cache, v_cache = pool[:, 0], pool[:, 1]
+    else:
+        k_cache = torch.randn(shape, generator=gen).to(dtype)
+        v_cache = torch.randn(shape, generator=gen).to(dtype)
+    unowned = ~owned[:, None, :, None].expand(shape)
+    k_cache[unowned] = float("nan")
+    v_cache[unowned] = float("nan")
+    q_lens = [q_len for q_len, _ in layout]
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    if strided:
+        # q as the query slice of a fused qkv projection: rows are not contiguous either.
+        qkv = torch.randn(sum(q_lens), num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+        q = qkv[:, :num_heads]
+    else:
+        q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    batch = Batch(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        seq_lens=torch.tensor([seq_len for _, seq_len in layout], dtype=torch.int32),
+        query_start_loc=query_start_loc,
+        scale=head_dim**-0.5,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_len for _, seq_len in layout),
+    )
+    tensors = ["q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc"]
+    return dataclasses.replace(batch, **{name: getattr(batch, name).to(device) for name in tensors})
+
+
+def reference(batch: Batch) -> torch.Tensor:
+    """The docstring's loop, in float64: per sequence, keys gathered position by position, then per query."""
+    q, k_cache, v_cache = (t.cpu().double() for t in (batch.q, batch.k_cache, batch.v_cache))
+    block_tables, seq_lens, starts = (
+        t.cpu().tolist() for t in (batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    )
+    num_heads, num_kv_heads, block_size = q.shape[1], k_cache.shape[1], k_cache.shape[2]
+    kv_head_of = [h // (num_heads // num_kv_heads) for h in range(num_heads)]
+    out = torch.full_like(q, float("nan"))
+    for i, seq_len in enumerate(seq_lens):
+        keys = torch.stack([k_cache[block_tables[i][t // block_size], :, t % block_size] for t in range(seq_len)])
+        values = torch.stack([v_cache[block_tables[i][t // block_size], :, t % block_size] for t in range(seq_len)])
+        keys, values = keys[:, kv_head_of], values[:, kv_head_of]  # [seq_len, num_heads, head_dim]
+        q_len = starts[i + 1] - starts[i]
+        for j in range(q_len):
+            pos = seq_len - q_len + j
+            scores = torch.einsum("hd,thd->ht", q[starts[i] + j], keys[: pos + 1]) * batch.scale
+            out[starts[i] + j] = torch.einsum("ht,thd->hd", scores.softmax(-1), values[: pos + 1])
+    return out
+
+
+def assert_matches(actual: torch.Tensor, batch: Batch) -> None:
+    assert actual.dtype == batch.q.dtype
+    assert actual.shape == batch.q.shape
+    torch.testing.assert_close(actual.cpu().double(), reference(batch), atol=ATOL[batch.q.dtype], rtol=0)
+
+
+def require_triton() -> None:
+    if not pa.HAS_TRITON:
+        pytest.fail("Triton is not installed: `pip install -e '.[kernels]'`", pytrace=False)
+    if DEVICE == "cpu" and type(pa._paged_attention_kernel).__name__ != "InterpretedFunction":
+        pytest.fail(
+            "Triton was imported before TRITON_INTERPRET=1 was set (engine modules import the kernels), so it "
+            "cannot run on CPU: set the variable at the top of tests/conftest.py when CUDA is unavailable",
+            pytrace=False,
+        )
+
+
+SWEEP = pytest.mark.parametrize(
+    ("dtype", "group", "block_size"),
+    [(d, g, b) for d in (torch.float32, torch.float16, torch.bfloat16) for g in (1, 2, 4) for b in (16, 32)],
+    ids=lambda v: str(v).removeprefix("torch."),
+)
+
+
+class TestTorchPath:
+    @SWEEP
+    def test_mixed_batch_sweep(self, dtype: torch.dtype, group: int, block_size: int) -> None:
+        batch = make_batch(MIXED, num_heads=2 * group, block_size=block_size, dtype=dtype)
+        assert_matches(pa.paged_attention_torch(*batch.args(), **batch.kwargs()), batch)
+
+    @pytest.mark.parametrize(
+        "layout",
+        [
+            DECODE,
+            FRESH,
+            CHUNKED,
+            DECODE + FRESH + CHUNKED,
+            [(1, 40)],
+            [(333, 333)],
+            [(333, 333), (8, 8), (300, 301), (1, 350), (64, 400), (20, 20)],
+        ],
+        ids=["decode", "fresh", "chunked", "all", "one-decode", "long-prompt", "long-mixed"],
+    )
+    def test_layouts(self, layout: list[tuple[int, int]]) -> None:
+        batch = make_batch(layout, num_heads=8, num_kv_heads=2, head_dim=64)
+        assert_matches(pa.paged_attention_torch(*batch.args(), **batch.kwargs()), batch)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_strided_inputs(self, dtype: torch.dtype) -> None:
+        batch = make_batch(MIXED, strided=True, dtype=dtype)
+        assert not batch.k_cache.is_contiguous()
+        assert not batch.q.is_contiguous()
+        assert_matches(pa.paged_attention_torch(*batch.args(), **batch.kwargs()), batch)
+
+    def test_upper_bounds_for_max_lengths(self) -> None:
+        batch = make_batch(MIXED)
+        kwargs = batch.kwargs() | {"max_query_len": batch.max_query_len + 7, "max_seq_len": batch.max_seq_len + 40}
+        assert_matches(pa.paged_attention_torch(*batch.args(), **kwargs), batch)
+
+    def test_writes_into_out(self) -> None:
+        batch = make_batch(MIXED)
+        out = torch.empty_like(batch.q)
+        result = pa.paged_attention_torch(*batch.args(), **batch.kwargs(), out=out)
+        assert result is out
+        assert_matches(out, batch)
+
+    def test_dispatch_uses_torch_path_for_cpu_tensors(self) -> None:
+        batch = make_batch(MIXED)
+        expected = pa.paged_attention_torch(*batch.args(), **batch.kwargs())
+        torch.testing.assert_close(pa.paged_attention(*batch.args(), **batch.kwargs()), expected, atol=0, rtol=0)
+
+    def test_empty_batch(self) -> None:
+        batch = make_batch(MIXED)
+        empty = Batch(
+            q=batch.q[:0],
+            k_cache=batch.k_cache,
+            v_cache=batch.v_cache,
+            block_tables=batch.block_tables[:0],
+            seq_lens=batch.seq_lens[:0],
+            query_start_loc=batch.query_start_loc[:1],
+            scale=batch.scale,
+            max_query_len=0,
+            max_seq_len=0,
+        )
+        assert pa.paged_attention_torch(*empty.args(), **empty.kwargs()).shape == (0, *batch.q.shape[1:])
+
+
+class TestTritonKernel:
+    @SWEEP
+    def test_mixed_batch_sweep(self, dtype: torch.dtype, group: int, block_size: int) -> None:
+        require_triton()
+        batch = make_batch(MIXED, num_heads=2 * group, block_size=block_size, dtype=dtype, device=DEVICE)
+        assert_matches(pa.paged_attention_triton(*batch.args(), **batch.kwargs()), batch)
+
+    @pytest.mark.parametrize(
+        "layout",
+        [DECODE, FRESH + CHUNKED, [(333, 333), (1, 350), (64, 400)]],
+        ids=["decode", "prefill", "long-mixed"],
+    )
+    def test_layouts(self, layout: list[tuple[int, int]]) -> None:
+        require_triton()
+        batch = make_batch(layout, num_heads=4, num_kv_heads=1, device=DEVICE)
+        assert_matches(pa.paged_attention_triton(*batch.args(), **batch.kwargs()), batch)
+
+    def test_group_of_three_heads(self) -> None:
+        require_triton()  # 3 is padded to 4 rows per query: the padding head must not be stored
+        batch = make_batch(MIXED, num_heads=6, num_kv_heads=2, head_dim=40, device=DEVICE)
+        assert_matches(pa.paged_attention_triton(*batch.args(), **batch.kwargs()), batch)
+
+    def test_strided_inputs(self) -> None:
+        require_triton()
+        batch = make_batch(MIXED, strided=True, dtype=torch.float16, device=DEVICE)
+        assert not batch.k_cache.is_contiguous()
+        assert not batch.q.is_contiguous()
+        assert_matches(pa.paged_attention_triton(*batch.args(), **batch.kwargs()), batch)
+
+
+def _bad_inputs() -> list[tuple[str, dict[str, Any], str]]:
+    batch = make_batch(MIXED)
+    q, k, v, bt, sl, qsl = batch.args()
+    return [
+        ("q rank", {"q": q[0]}, "q must be"),
+        ("heads", {"q": torch.randn(q.shape[0], 3, q.shape[2])}, "multiple of num_kv_heads"),
+        ("head_dim", {"q": torch.randn(q.shape[0], q.shape[1], 16)}, "head_dim"),
+        ("v shape", {"v_cache": v[:, :1]}, "v_cache shape"),
+        ("cache dtype", {"k_cache": k.half(), "v_cache": v.half()}, "share a dtype"),
+        ("q dtype", {"q": q.double(), "k_cache": k.double(), "v_cache": v.double()}, "dtype must be"),
+        ("block_tables dtype", {"block_tables": bt.long()}, "block_tables must be int32"),
+        ("seq_lens length", {"seq_lens": sl[:-1]}, "seq_lens must be"),
+        ("query_start_loc length", {"query_start_loc": qsl[:-1]}, "query_start_loc must be"),
+        ("out shape", {"out": torch.empty(q.shape[0] + 1, *q.shape[1:])}, "out must match"),
+        ("out dtype", {"out": torch.empty_like(q, dtype=torch.float16)}, "out must match"),
+        ("max_query_len", {"max_query_len": 0}, "max_query_len"),
+    ]
+
+
+@pytest.mark.parametrize(("case", "change", "message"), _bad_inputs(), ids=[case for case, _, _ in _bad_inputs()])
+@pytest.mark.parametrize("fn", [pa.paged_attention_triton, pa.paged_attention_torch], ids=["triton", "torch"])
+def test_rejects_bad_inputs(fn: Any, case: str, change: dict[str, Any], message: str) -> None:
+    batch = make_batch(MIXED)
+    names = ["q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc"]
+    inputs = dict(zip(names, batch.args(), strict=True)) | batch.kwargs() | change
+    with pytest.raises(ValueError, match=message):
+        fn(**inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_kernel_matches_torch_path(dtype: torch.dtype) -> None:
+    batch = make_batch(DECODE + FRESH + CHUNKED + [(300, 300), (64, 400)], num_heads=8, dtype=dtype, device="cuda")
+    expected = pa.paged_attention_torch(*batch.args(), **batch.kwargs())
+    actual = pa.paged_attention(*batch.args(), **batch.kwargs())
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL[dtype], rtol=0)
