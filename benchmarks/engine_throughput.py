@@ -7,7 +7,7 @@ Compares, in one run on this machine:
 
 Throughput counts useful output tokens: the tokens each request asked for (ignore_eos, so exactly max_tokens).
 
-    .venv/bin/python benchmarks/engine_throughput.py [--threads 2] [--skip-transformers]
+    .venv/bin/python benchmarks/engine_throughput.py [--threads 2] [--batch-sizes 16,32,64] [--skip-transformers]
 
 writes benchmarks/results/engine_throughput.json.
 """
@@ -89,7 +89,9 @@ def run_loraplex(model_dir: Path, workload: Workload, *, max_num_batched_tokens:
         max_num_batched_tokens=max_num_batched_tokens,
     )
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # Warm-up outside the clock: first calls allocate and page in what every later step reuses.
     llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:4]], warm)
+    llm.generate([{"prompt_token_ids": workload.prompts[4]}], warm)
     steps_before = llm.engine.num_steps
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
     start = time.perf_counter()

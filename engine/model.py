@@ -46,7 +46,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+    ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device

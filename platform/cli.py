@@ -258,6 +258,28 @@ def engine_serve(
         raise click.ClickException(str(exc)) from None
 
 
+@engine.command("demo-model")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option(
+    "--size",
+    type=click.Choice(["demo", "benchmark"]),
+    default="demo",
+    show_default=True,
+    help="demo: 4M parameters, quick on a laptop; benchmark: the ~56M-parameter model of benchmarks/.",
+)
+def engine_demo_model(path: Path, size: str) -> None:
+    """Write a random Llama checkpoint with a real tokenizer into PATH (no download needed)."""
+    import dataclasses
+
+    from loraplex.engine.demo import BENCHMARK_SPEC, DEMO_SPEC, write_random_model
+
+    if path.exists() and any(path.iterdir()):
+        raise click.ClickException(f"{path} is not empty")
+    spec = DEMO_SPEC if size == "demo" else dataclasses.replace(BENCHMARK_SPEC, torch_dtype="float32")
+    written = write_random_model(path, spec)
+    click.echo(f"wrote a random {spec.num_parameters / 1e6:.1f}M-parameter {spec.architecture} model to {written}")
+
+
 @main.group()
 def db() -> None:
     """Database schema."""

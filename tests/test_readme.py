@@ -118,3 +118,34 @@ def test_makefile_has_the_readme_commands() -> None:
         assert re.search(rf"^{target}", makefile, re.M), target
     assert "torch==2.13.0" in makefile
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def _engine_blocks() -> tuple[str, str]:
+    section = README.split("## Engine", 1)[1].split("\n## ", 1)[0]
+    shell = re.search(r"```bash\n(.*?)```", section, re.S)
+    python = re.search(r"```python\n(.*?)```", section, re.S)
+    assert shell is not None and python is not None
+    return shell.group(1), python.group(1)
+
+
+@pytest.mark.slow
+def test_engine_tour_runs_as_written(tmp_path: Path) -> None:
+    shell, python = _engine_blocks()
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    # The tour leaves its server running in the background; stop it when the block is done.
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", shell + "kill %1\n"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert '"object":"chat.completion"' in result.stdout.replace(" ", "")
+    ran = subprocess.run(
+        [sys.executable, "-c", python], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert ran.stdout.startswith("[")
