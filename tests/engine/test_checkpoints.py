@@ -103,5 +103,5 @@ def test_sharded_index(folder: Path) -> None:
     assert llm.engine.model.weight_bytes() > 0
     weight_map[names[0]] = "../elsewhere.safetensors"
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    with pytest.raises(CheckpointError, match="not a .safetensors file beside it"):
+    with pytest.raises(CheckpointError, match=r"not a \.safetensors file beside it"):
         _load(folder)
