@@ -9,16 +9,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from loraplex.engine.adapter_ref import LoRARequest
     from loraplex.engine.async_engine import AsyncEngine
     from loraplex.engine.config import EngineConfig
     from loraplex.engine.llm import LLM
     from loraplex.engine.outputs import CompletionOutput, RequestOutput
     from loraplex.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 _WHERE = {
     "LLM": "loraplex.engine.llm",
+    "LoRARequest": "loraplex.engine.adapter_ref",
     "AsyncEngine": "loraplex.engine.async_engine",
     "EngineConfig": "loraplex.engine.config",
     "CompletionOutput": "loraplex.engine.outputs",

@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from loraplex.engine.adapter_ref import AdapterRef, LoRARequest
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore, EngineState
 from loraplex.engine.errors import EngineError
@@ -35,6 +36,7 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     sink: _Sink
+    lora: AdapterRef | None
 
 
 @dataclass(slots=True)
@@ -86,6 +88,7 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         add_special_tokens: bool = True,
+        lora: AdapterRef | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's output after every step that changes it; the last one has `finished` set.
 
@@ -102,7 +105,7 @@ class AsyncEngine:
             text, token_ids = None, list(prompt)
         self.core.check_request(token_ids, sampling_params)
         sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, token_ids, sampling_params, text, sink))
+        self._commands.put(_Add(request_id, token_ids, sampling_params, text, sink, lora))
         self._wakeup.set()
         finished = False
         try:
@@ -118,6 +121,10 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(_Abort(request_id))
                 self._wakeup.set()
+
+    async def resolve_lora(self, lora: LoRARequest) -> AdapterRef:
+        """Hash an adapter's files off the event loop; the ref names it in `generate`."""
+        return await asyncio.to_thread(self.core.resolve_lora, lora)
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -167,7 +174,9 @@ class AsyncEngine:
                     sink.put(output)
                 continue
             try:
-                self.core.add_request(command.request_id, command.token_ids, command.params, prompt=command.prompt)
+                self.core.add_request(
+                    command.request_id, command.token_ids, command.params, prompt=command.prompt, lora=command.lora
+                )
             except Exception as exc:  # a request the checks on the loop let through (duplicate id): fail only it
                 command.sink.put(exc)
                 continue

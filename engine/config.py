@@ -28,6 +28,14 @@ class EngineConfig:
     seed: int = 0  # default generator of unseeded sampling
     num_threads: int | None = None  # CPU threads for torch; default: torch's choice
     served_model_name: str | None = None
+    # LoRA: adapters resident in the pool at once, the largest rank accepted, distinct adapters per step, the
+    # host-memory tier's budget (bytes), and where s3:// adapters are read from (None: AWS's endpoint).
+    max_loras: int = 64
+    max_lora_rank: int = 128
+    max_adapters_per_batch: int = 32
+    lora_host_budget: int = 2 * 2**30
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -48,6 +56,10 @@ class EngineConfig:
             raise ValueError("max_num_partial_prefills must be at least 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be at least 1")
+        if self.max_loras < 1 or self.max_adapters_per_batch < 1:
+            raise ValueError("max_loras and max_adapters_per_batch must be at least 1")
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError("max_lora_rank must be between 1 and 1024")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -13,9 +13,12 @@ from pathlib import Path
 import psutil
 import torch
 
+from loraplex.engine.adapter_manager import AdapterEntry, AdapterManager, AdapterManagerConfig
+from loraplex.engine.adapter_ref import AdapterRef, LoRARequest
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import ContextLengthExceeded, RequestError
 from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.lora_batch import LoraCompute
 from loraplex.engine.model import LlamaModel
 from loraplex.engine.model_config import ModelConfig
 from loraplex.engine.output_processor import OutputProcessor
@@ -74,15 +77,31 @@ class EngineCore:
         c = self.model_config
         kv_caches = [self.pool.kv_layer(i, c.num_kv_heads, config.block_size, c.head_dim) for i in range(c.num_layers)]
         self.kv = KVCacheManager(self.pool, config.block_size)
+        self.adapters = AdapterManager(
+            self.pool,
+            self.model_config,
+            AdapterManagerConfig(
+                max_loras=config.max_loras,
+                max_rank=config.max_lora_rank,
+                host_budget_bytes=config.lora_host_budget,
+                s3_endpoint_url=config.s3_endpoint_url,
+                s3_region=config.s3_region,
+            ),
+            reserved_pages=-(-self.max_model_len // config.block_size),
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 watermark_pages=max(1, self.pool.num_pages // 100),
+                max_adapters_per_batch=config.max_adapters_per_batch,
             ),
             self.kv,
+            self.adapters,
         )
-        self.runner = ModelRunner(self.model, kv_caches, block_size=config.block_size, device=self.device)
+        self.runner = ModelRunner(
+            self.model, kv_caches, block_size=config.block_size, device=self.device, lora=LoraCompute(self.pool)
+        )
         self.sampler = Sampler()
         self.eos_token_ids = self.tokenizer.eos_token_ids | self.model_config.eos_token_ids
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
@@ -141,8 +160,10 @@ class EngineCore:
         params: SamplingParams,
         *,
         prompt: str | None = None,
+        lora: AdapterRef | None = None,
     ) -> Request:
-        """Validate and queue a request; raises RequestError (ContextLengthExceeded) for bad input."""
+        """Validate and queue a request; raises RequestError (ContextLengthExceeded) for bad input. With `lora`,
+        the request waits (not fails) while its adapter loads; a failed load finishes it with an error."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         room = self.check_request(prompt_token_ids, params)
@@ -157,6 +178,7 @@ class EngineCore:
             max_tokens=min(params.max_tokens or room, room),
             prompt=prompt,
             generator=generator,
+            adapter=self.adapters.request(lora) if lora is not None else None,
         )
         self.requests[request_id] = request
         self.outputs.add(request)
@@ -197,12 +219,19 @@ class EngineCore:
 
     # --- the step ------------------------------------------------------------------------------------------------
 
+    def resolve_lora(self, lora: LoRARequest) -> AdapterRef:
+        """Name and content digest of an adapter (reads its files to hash them; any thread may call it)."""
+        return self.adapters.resolve(lora.name, lora.path)
+
     def step(self) -> list[RequestOutput]:
         """Run one step; outputs of every request that got a new token or finished."""
+        outputs = self._fail_requests_of(self.adapters.poll())
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         if sched.is_empty:
-            return []
+            if not outputs and self.scheduler.waiting:
+                self.adapters.wait_for_loads(timeout=0.01)  # nothing runnable: the queue waits on adapter loads
+            return outputs
         prepared = self.runner.prepare(sched)
         logits = self.runner.execute(prepared)
         for scheduled in sched.scheduled:
@@ -211,7 +240,7 @@ class EngineCore:
 
         rows = prepared.sample_requests
         if not rows:
-            return []
+            return outputs
         metadata = SamplingMetadata.build(
             [r.sampling_params for r in rows],
             [r.generator for r in rows],
@@ -221,7 +250,6 @@ class EngineCore:
             device=self.device,
         )
         sampled = self.sampler.sample(logits, metadata)
-        outputs: list[RequestOutput] = []
         for i, request in enumerate(rows):
             token_logprobs = sampled.logprobs[i] if sampled.logprobs is not None else None
             status = self.outputs.process_token(request, sampled.token_ids[i], token_logprobs)
@@ -230,6 +258,17 @@ class EngineCore:
             else:
                 self.scheduler.finish(request, status)
                 outputs.append(self._finalize(request))
+        return outputs
+
+    def _fail_requests_of(self, failed: list[AdapterEntry]) -> list[RequestOutput]:
+        """Finish the waiting requests of adapters that failed to load, with the load's error."""
+        outputs: list[RequestOutput] = []
+        for entry in failed:
+            for request in [r for r in self.scheduler.waiting if r.adapter is entry]:
+                request.error = f"adapter {entry.ref.name} could not be loaded: {entry.error}"
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._finalize(request))
+            self.adapters.forget(entry)  # a later request retries the load
         return outputs
 
     def _finalize(self, request: Request) -> RequestOutput:

@@ -7,9 +7,11 @@ here, so layers never look at requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from loraplex.engine.lora_batch import LoraBatch
 
 
 @dataclass(slots=True)
@@ -24,6 +26,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_logits] int64: token rows whose logits are computed
     max_query_len: int
     max_seq_len: int
+    lora: LoraBatch = field(default_factory=LoraBatch)  # adapter segments over the token rows
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
+from loraplex.engine.adapter_ref import AdapterRef, LoRARequest
 from loraplex.engine.config import DTypeName, EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.outputs import RequestOutput
@@ -42,14 +43,21 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        """Run every prompt to completion; outputs come back in the order of `prompts`.
+
+        `lora_request`: one adapter for every prompt, or one per prompt (None runs the base model).
+        """
         prompt_list: list[Prompt] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         tokenizer = self.engine.tokenizer
         encoded: list[tuple[str | None, list[int]]] = [
             (p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p["prompt_token_ids"])) for p in prompt_list
         ]
-        return self._generate(encoded, self._params_for(len(encoded), sampling_params))
+        return self._generate(
+            encoded, self._params_for(len(encoded), sampling_params), self._loras_for(len(encoded), lora_request)
+        )
 
     def chat(
         self,
@@ -57,6 +65,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         single = bool(messages) and isinstance(messages[0], dict)
@@ -67,16 +76,21 @@ class LLM:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
             # The template writes any BOS itself; encoding must not add a second one.
             encoded.append((text, tokenizer.encode(text, add_special_tokens=False)))
-        return self._generate(encoded, self._params_for(len(encoded), sampling_params))
+        return self._generate(
+            encoded, self._params_for(len(encoded), sampling_params), self._loras_for(len(encoded), lora_request)
+        )
 
     def _generate(
-        self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams]
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        params_list: list[SamplingParams],
+        loras: list[AdapterRef | None],
     ) -> list[RequestOutput]:
         request_ids: list[str] = []
         try:
-            for (text, token_ids), params in zip(encoded, params_list, strict=True):
+            for (text, token_ids), params, lora in zip(encoded, params_list, loras, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                self.engine.add_request(request_id, token_ids, params, prompt=text, lora=lora)
                 request_ids.append(request_id)
         except BaseException:
             for request_id in request_ids:
@@ -95,6 +109,24 @@ class LLM:
         if len(params) != count:
             raise ValueError(f"got {count} prompts but {len(params)} sampling params")
         return params
+
+    def _loras_for(
+        self, count: int, lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+    ) -> list[AdapterRef | None]:
+        requests = [lora_request] * count if not isinstance(lora_request, Sequence) else list(lora_request)
+        if len(requests) != count:
+            raise ValueError(f"got {count} prompts but {len(requests)} lora requests")
+        resolved: dict[tuple[str, str], AdapterRef] = {}  # each adapter's files are hashed once per call
+        refs: list[AdapterRef | None] = []
+        for lora in requests:
+            if lora is None:
+                refs.append(None)
+                continue
+            key = (lora.name, str(lora.path))
+            if key not in resolved:
+                resolved[key] = self.engine.resolve_lora(lora)
+            refs.append(resolved[key])
+        return refs
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from loraplex.engine.errors import CheckpointError
 from loraplex.engine.forward_batch import ForwardBatch
+from loraplex.engine.lora_batch import LoraCompute
 from loraplex.engine.model_config import ModelConfig
 from loraplex.engine.page_pool import KVLayer
 from loraplex.engine.rope import RotaryEmbedding, interleave_rotary_rows
@@ -141,15 +142,18 @@ class LlamaModel:
     # --- forward -------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVLayer]) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVLayer], lora: LoraCompute | None = None) -> torch.Tensor:
         """Run the decoder over the batch's tokens, writing their K/V into the cache; returns the final-normed
         hidden states [num_tokens, hidden]."""
         c = self.config
         hidden = F.embedding(batch.input_ids, self.embed)
         cis = self.rope.table(batch.positions)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
+        adapters = lora if lora is not None and batch.lora else None
+        for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            if adapters is not None:
+                adapters.add(batch.lora, index, "qkv", x, qkv)
             q, k, v = torch.split(qkv, [c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = self.rope.apply(q.view(-1, c.num_heads, c.head_dim), cis)
             k = self.rope.apply(k.view(-1, c.num_kv_heads, c.head_dim), cis)
@@ -168,13 +172,20 @@ class LlamaModel:
                 max_seq_len=batch.max_seq_len,
             )
             # addmm adds the residual inside the matmul: one pass over the activations fewer.
-            hidden = torch.addmm(hidden, attn.view(-1, c.q_size), layer.o.t())
+            attn = attn.view(-1, c.q_size)
+            hidden = torch.addmm(hidden, attn, layer.o.t())
+            if adapters is not None:
+                adapters.add(batch.lora, index, "o", attn, hidden)
 
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate_up = F.linear(x, layer.gate_up)
+            if adapters is not None:
+                adapters.add(batch.lora, index, "gate_up", x, gate_up)
             act = F.silu(gate_up[:, : c.intermediate_size])
             act.mul_(gate_up[:, c.intermediate_size :])  # in place: a fresh large tensor costs page faults
             hidden = torch.addmm(hidden, act, layer.down.t())
+            if adapters is not None:
+                adapters.add(batch.lora, index, "down", act, hidden)
         return rms_norm(hidden, self.norm, c.rms_norm_eps)
 
     @torch.inference_mode()

@@ -111,6 +111,8 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=request.num_cached_tokens,
+            lora_name=request.adapter.ref.name if request.adapter is not None else None,
+            error=request.error,
         )
 
     def _position_logprobs(self, logprobs: TokenLogprobs) -> PositionLogprobs:

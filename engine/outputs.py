@@ -23,7 +23,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
 
     @property
@@ -40,3 +40,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    lora_name: str | None = None
+    error: str | None = None  # why it finished with finish_reason "error"

@@ -5,12 +5,18 @@ Physically there is one tensor per layer, `[num_pages, page_elems]`; a page id n
 layer, so one allocation serves all layers. A KV block is one page: its row holds K and V of `block_size`
 tokens for that layer. Pages carry reference counts; the free pages are a stack, so allocate and free are O(1)
 per page.
+
+Pages that are held but not needed right now (an idle adapter; later, cached KV blocks nobody references) are
+registered as evictable, least recently used first. An allocation that finds too few free pages evicts from
+that one list, whatever the kind: one policy for all. KV blocks come from the low page ids, adapters take
+contiguous runs from the high end, so an adapter's pages usually form one run that compute can view in place.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import NewType
 
@@ -34,11 +40,18 @@ class PoolUsage:
     num_pages: int
     num_free: int
     page_bytes: int  # all layers together
-    by_kind: dict[str, int]  # pages in use, per PageKind
+    by_kind: dict[str, int]  # pages held, per PageKind (evictable ones included)
+    num_evictable: int = 0  # held pages an allocation may take back
 
     @property
     def used_fraction(self) -> float:
         return 0.0 if self.num_pages == 0 else 1 - self.num_free / self.num_pages
+
+
+@dataclass(slots=True)
+class _Evictable:
+    num_pages: int
+    evict: Callable[[], None]  # gives the pages back (calls release)
 
 
 def _zeros(num_elems: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -71,10 +84,15 @@ class PagePool:
         self.storage = [
             _zeros(num_pages * page_elems, dtype, device).view(num_pages, page_elems) for _ in range(num_layers)
         ]
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids go out first
+        # A stack (lowest ids out first). Pages taken as runs stay in it, marked not free, and are skipped on pop.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._is_free = np.ones(num_pages, dtype=np.bool_)
+        self._num_free = num_pages
         self._ref_cnt = [0] * num_pages
         self._kind: list[PageKind | None] = [None] * num_pages
         self._in_use: Counter[PageKind] = Counter()
+        self._evictable: OrderedDict[Hashable, _Evictable] = OrderedDict()  # least recently used first
+        self._num_evictable = 0
 
     @property
     def page_bytes(self) -> int:
@@ -82,23 +100,81 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
+
+    @property
+    def num_evictable(self) -> int:
+        return self._num_evictable
 
     def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
+        """Whether `num_pages` can be had now, evicting what is evictable if need be."""
+        return num_pages <= self._num_free + self._num_evictable
 
     def allocate(self, num_pages: int, kind: PageKind) -> list[PageId]:
-        """Take `num_pages` free pages with reference count 1."""
-        if num_pages > len(self._free):
-            raise PoolExhausted(f"asked for {num_pages} pages, {len(self._free)} free")
+        """Take `num_pages` pages with reference count 1, evicting least recently used evictables if needed."""
+        while num_pages > self._num_free and self._evictable:
+            self._evict_oldest()
+        if num_pages > self._num_free:
+            raise PoolExhausted(f"asked for {num_pages} pages, {self._num_free} free")
         pages: list[PageId] = []
-        for _ in range(num_pages):
+        while len(pages) < num_pages:
             page = self._free.pop()
-            self._ref_cnt[page] = 1
-            self._kind[page] = kind
-            pages.append(PageId(page))
-        self._in_use[kind] += num_pages
+            if self._is_free[page]:
+                self._take(page, kind)
+                pages.append(PageId(page))
         return pages
+
+    def allocate_run(self, num_pages: int, kind: PageKind, *, evict: bool = True) -> list[PageId] | None:
+        """Take `num_pages` consecutive pages, the highest free run; with `evict`, evict least recently used
+        evictables until one exists. None if there is none (the caller may take scattered pages)."""
+        while True:
+            start = self._highest_free_run(num_pages)
+            if start is not None:
+                pages = [PageId(p) for p in range(start, start + num_pages)]
+                for page in pages:
+                    self._take(page, kind)
+                return pages
+            if not evict or not self._evictable:
+                return None
+            self._evict_oldest()
+
+    def _highest_free_run(self, length: int) -> int | None:
+        if length > self._num_free:
+            return None
+        # Runs of free pages, found on the whole bitmap at once (numpy): allocating a run is rare.
+        padded = np.concatenate(([False], self._is_free, [False])).astype(np.int8)
+        edges = np.flatnonzero(np.diff(padded))
+        starts, ends = edges[0::2], edges[1::2]
+        fitting = np.flatnonzero(ends - starts >= length)
+        if fitting.size == 0:
+            return None
+        last = fitting[-1]
+        return int(ends[last]) - length
+
+    def _take(self, page: int, kind: PageKind) -> None:
+        self._is_free[page] = False
+        self._num_free -= 1
+        self._ref_cnt[page] = 1
+        self._kind[page] = kind
+        self._in_use[kind] += 1
+
+    def mark_evictable(self, key: Hashable, num_pages: int, evict: Callable[[], None]) -> None:
+        """Register held pages that an allocation may take back by calling `evict` (most recently used last)."""
+        if key in self._evictable:
+            self._num_evictable -= self._evictable.pop(key).num_pages
+        self._evictable[key] = _Evictable(num_pages, evict)
+        self._num_evictable += num_pages
+
+    def unmark_evictable(self, key: Hashable) -> None:
+        """The owner needs its pages again: take them off the eviction list."""
+        entry = self._evictable.pop(key, None)
+        if entry is not None:
+            self._num_evictable -= entry.num_pages
+
+    def _evict_oldest(self) -> None:
+        _, entry = self._evictable.popitem(last=False)
+        self._num_evictable -= entry.num_pages
+        entry.evict()
 
     def incref(self, page: PageId) -> None:
         if self._ref_cnt[page] == 0:
@@ -117,6 +193,8 @@ class PagePool:
                 assert kind is not None
                 self._in_use[kind] -= 1
                 self._kind[page] = None
+                self._is_free[page] = True
+                self._num_free += 1
                 self._free.append(page)
 
     def ref_cnt(self, page: PageId) -> int:
@@ -125,9 +203,10 @@ class PagePool:
     def usage(self) -> PoolUsage:
         return PoolUsage(
             num_pages=self.num_pages,
-            num_free=len(self._free),
+            num_free=self._num_free,
             page_bytes=self.page_bytes,
             by_kind={kind.value: self._in_use[kind] for kind in PageKind},
+            num_evictable=self._num_evictable,
         )
 
     def kv_layer(self, layer: int, num_kv_heads: int, block_size: int, head_dim: int) -> KVLayer:

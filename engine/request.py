@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.engine.adapter_manager import AdapterEntry
 from loraplex.engine.page_pool import PageId
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -18,10 +19,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # e.g. its adapter failed to load
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
 @dataclass(slots=True, eq=False)
@@ -40,6 +42,8 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    adapter: AdapterEntry | None = None  # None: the base model
+    error: str | None = None  # why it finished with FINISHED_ERROR
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,10 +11,11 @@ import numpy as np
 import torch
 
 from loraplex.engine.forward_batch import ForwardBatch
+from loraplex.engine.lora_batch import LoraBatch, LoraCompute, LoraSegment
 from loraplex.engine.model import LlamaModel
 from loraplex.engine.page_pool import KVLayer, kv_rows
 from loraplex.engine.request import Request
-from loraplex.engine.scheduler import SchedulerOutput
+from loraplex.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -24,15 +25,25 @@ class PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_caches: list[KVLayer], *, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[KVLayer],
+        *,
+        block_size: int,
+        device: torch.device,
+        lora: LoraCompute | None = None,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.lora = lora
 
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
         """Build the step's ForwardBatch. Call before the scheduler's requests advance num_computed_tokens."""
-        scheduled = sched.scheduled
+        # Requests of one adapter next to each other: each adapter's tokens become one segment.
+        scheduled = sorted(sched.scheduled, key=_adapter_order)
         num_seqs = len(scheduled)
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -83,9 +94,29 @@ class ModelRunner:
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
+        batch.lora = _lora_segments(scheduled, query_start_loc)
         return PreparedStep(batch=batch, sample_requests=sample_requests)
 
     def execute(self, step: PreparedStep) -> torch.Tensor:
         """float32 logits [len(step.sample_requests), vocab]."""
-        hidden = self.model.forward(step.batch, self.kv_caches)
+        hidden = self.model.forward(step.batch, self.kv_caches, self.lora)
         return self.model.compute_logits(hidden[step.batch.logits_indices])
+
+
+def _adapter_order(scheduled: ScheduledRequest) -> int:
+    adapter = scheduled.request.adapter
+    return -1 if adapter is None or adapter.slot is None else adapter.slot
+
+
+def _lora_segments(scheduled: list[ScheduledRequest], query_start_loc: np.ndarray) -> LoraBatch:
+    segments: list[LoraSegment] = []
+    for i, s in enumerate(scheduled):
+        adapter = s.request.adapter
+        if adapter is None:
+            continue
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        if segments and segments[-1].adapter is adapter and segments[-1].end == start:
+            segments[-1].end = end
+        else:
+            segments.append(LoraSegment(start, end, adapter))
+    return LoraBatch(segments)

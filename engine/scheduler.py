@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from loraplex.engine.adapter_manager import AdapterManager, AdapterState
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.request import Request, RequestStatus
 
@@ -23,6 +24,8 @@ class SchedulerConfig:
     # Pages kept free when admitting a waiting request, so running requests can keep decoding for a while
     # before anyone must be preempted.
     watermark_pages: int = 0
+    # Distinct adapters among running requests (so in any step); base-model requests do not count.
+    max_adapters_per_batch: int = 32
 
 
 @dataclass(slots=True)
@@ -48,11 +51,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, adapters: AdapterManager | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._running_adapters: dict[str, int] = {}  # digest -> running requests with it
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -84,22 +89,68 @@ class Scheduler:
             break  # the request itself was preempted: nothing behind it is left to schedule
 
         # No new admissions in a step that had to preempt: the pool is full.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.can_allocate(request, num_new, reserve=self.config.watermark_pages):
-                break
-            self.waiting.popleft()
-            self.kv.allocate(request, num_new)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
-
+        if not out.preempted:
+            budget = self._admit(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Start waiting requests in arrival order while budget, sequence slots and pages last.
+
+        A request whose adapter is still loading is passed over (its load runs meanwhile); requests behind it
+        may start. A request held back by the adapter cap, or by an adapter that is loaded but has no pool room
+        yet, stops every later request that would bring in another new adapter: so it starts as soon as a
+        running adapter drains, and never waits behind newcomers.
+        """
+        held_back = False
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
+            entry = request.adapter
+            if entry is not None:
+                assert self.adapters is not None
+                new_adapter = entry.ref.digest not in self._running_adapters
+                if new_adapter and (held_back or len(self._running_adapters) >= self.config.max_adapters_per_batch):
+                    held_back = True
+                    i += 1
+                    continue
+                if not self.adapters.try_place(entry):
+                    held_back = held_back or entry.state is AdapterState.LOADED
+                    i += 1
+                    continue
+                self.adapters.acquire(entry)  # pinned before KV allocation may evict idle adapters
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.can_allocate(request, num_new, reserve=self.config.watermark_pages):
+                if entry is not None:
+                    assert self.adapters is not None
+                    self.adapters.release(entry)
+                break
+            del self.waiting[i]
+            self.kv.allocate(request, num_new)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if entry is not None:
+                self._running_adapters[entry.ref.digest] = self._running_adapters.get(entry.ref.digest, 0) + 1
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _stop_running(self, request: Request) -> None:
+        """Bookkeeping when a request leaves the running list (preempted or finished)."""
+        entry = request.adapter
+        if entry is None:
+            return
+        assert self.adapters is not None
+        digest = entry.ref.digest
+        left = self._running_adapters[digest] - 1
+        if left:
+            self._running_adapters[digest] = left
+        else:
+            del self._running_adapters[digest]
+        self.adapters.release(entry)
+
     def _preempt(self, request: Request) -> None:
+        self._stop_running(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -108,9 +159,10 @@ class Scheduler:
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of the queues and give back its pages (finished or aborted)."""
-        request.status = status
         self.kv.free(request)
-        if request in self.running:
+        if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._stop_running(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        request.status = status

@@ -1,0 +1,45 @@
+"""The linear modules of a Llama-family base model that a LoRA adapter may adapt, with their names and shapes."""
+
+from __future__ import annotations
+
+from loraplex.engine.model_config import ModelConfig
+
+MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Which block each module sits in, as transformers names it (model.layers.{i}.<block>.<module>).
+BLOCK_OF: dict[str, str] = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+
+# Modules of the model outside the decoder layers that PEFT can target; loraplex refuses adapters on them.
+EMBEDDING_MODULES = ("model.embed_tokens", "lm_head")
+
+
+def module_key(layer: int, module: str) -> str:
+    """The module's name in the transformers model, the key PEFT matches target_modules and patterns against."""
+    return f"model.layers.{layer}.{BLOCK_OF[module]}.{module}"
+
+
+def module_shape(base: ModelConfig, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of the module's weight, so LoRA A is [rank, in] and B is [out, rank].
+
+    Raises ValueError for a name outside MODULES.
+    """
+    shapes = {
+        "q_proj": (base.hidden_size, base.q_size),
+        "k_proj": (base.hidden_size, base.kv_size),
+        "v_proj": (base.hidden_size, base.kv_size),
+        "o_proj": (base.q_size, base.hidden_size),
+        "gate_proj": (base.hidden_size, base.intermediate_size),
+        "up_proj": (base.hidden_size, base.intermediate_size),
+        "down_proj": (base.intermediate_size, base.hidden_size),
+    }
+    if module not in shapes:
+        raise ValueError(f"unknown module {module!r}; LoRA modules are {', '.join(MODULES)}")
+    return shapes[module]
