@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from loraplex.engine.adapter_layout import AdapterLayout, layout_adapter, pack_layer
+from loraplex.engine.adapter_layout import AdapterLayout, group_shapes, layout_adapter, pack_layer
 from loraplex.engine.adapter_ref import S3_SCHEME, AdapterRef
 from loraplex.engine.lora import (
     CONFIG_FILE,
@@ -339,6 +339,15 @@ class AdapterManager:
         pending = [e.future for e in self.entries.values() if e.future is not None and not e.future.done()]
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def group_columns(self, group: str) -> list[tuple[int, int]]:
+        """Each module's column range in the base model's fused output of `group`, in the group's order."""
+        _, outs = group_shapes(self.model_config)[group]
+        columns, start = [], 0
+        for _, width in outs:
+            columns.append((start, start + width))
+            start += width
+        return columns
 
     def resident(self) -> list[AdapterEntry]:
         return [e for e in self.slots if e is not None]

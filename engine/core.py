@@ -100,7 +100,11 @@ class EngineCore:
             self.adapters,
         )
         self.runner = ModelRunner(
-            self.model, kv_caches, block_size=config.block_size, device=self.device, lora=LoraCompute(self.pool)
+            self.model,
+            kv_caches,
+            block_size=config.block_size,
+            device=self.device,
+            lora=LoraCompute(self.adapters, self.device),
         )
         self.sampler = Sampler()
         self.eos_token_ids = self.tokenizer.eos_token_ids | self.model_config.eos_token_ids

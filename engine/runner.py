@@ -94,7 +94,7 @@ class ModelRunner:
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        batch.lora = _lora_segments(scheduled, query_start_loc)
+        batch.lora = _lora_segments(scheduled, query_start_loc, self.device)
         return PreparedStep(batch=batch, sample_requests=sample_requests)
 
     def execute(self, step: PreparedStep) -> torch.Tensor:
@@ -108,15 +108,16 @@ def _adapter_order(scheduled: ScheduledRequest) -> int:
     return -1 if adapter is None or adapter.slot is None else adapter.slot
 
 
-def _lora_segments(scheduled: list[ScheduledRequest], query_start_loc: np.ndarray) -> LoraBatch:
+def _lora_segments(scheduled: list[ScheduledRequest], query_start_loc: np.ndarray, device: torch.device) -> LoraBatch:
+    """Segments tiling the step's token rows: one per run of requests with the same adapter (or none)."""
+    if all(s.request.adapter is None for s in scheduled):
+        return LoraBatch()
     segments: list[LoraSegment] = []
     for i, s in enumerate(scheduled):
         adapter = s.request.adapter
-        if adapter is None:
-            continue
         start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        if segments and segments[-1].adapter is adapter and segments[-1].end == start:
+        if segments and segments[-1].adapter is adapter:
             segments[-1].end = end
         else:
             segments.append(LoraSegment(start, end, adapter))
-    return LoraBatch(segments)
+    return LoraBatch.of(segments, device)

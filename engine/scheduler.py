@@ -97,12 +97,11 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Start waiting requests in arrival order while budget, sequence slots and pages last.
 
-        A request whose adapter is still loading is passed over (its load runs meanwhile); requests behind it
-        may start. A request held back by the adapter cap, or by an adapter that is loaded but has no pool room
-        yet, stops every later request that would bring in another new adapter: so it starts as soon as a
-        running adapter drains, and never waits behind newcomers.
+        A request whose adapter is still loading is passed over, so resident adapters' requests go first and the
+        load never stalls the queue. A request held back by the adapter cap, or by a loaded adapter with no pool
+        room yet, stops admission instead: nothing that arrived later overtakes it, so it starts as soon as the
+        requests already running drain (a bounded wait), never starved by newcomers of popular adapters.
         """
-        held_back = False
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
@@ -110,13 +109,12 @@ class Scheduler:
             if entry is not None:
                 assert self.adapters is not None
                 new_adapter = entry.ref.digest not in self._running_adapters
-                if new_adapter and (held_back or len(self._running_adapters) >= self.config.max_adapters_per_batch):
-                    held_back = True
-                    i += 1
-                    continue
+                if new_adapter and len(self._running_adapters) >= self.config.max_adapters_per_batch:
+                    break
                 if not self.adapters.try_place(entry):
-                    held_back = held_back or entry.state is AdapterState.LOADED
-                    i += 1
+                    if entry.state is AdapterState.LOADED:
+                        break  # loaded, waiting for pool room that running requests will give back
+                    i += 1  # still loading (or failed: the engine finishes it): look further
                     continue
                 self.adapters.acquire(entry)  # pinned before KV allocation may evict idle adapters
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
