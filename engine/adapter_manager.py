@@ -60,6 +60,7 @@ class AdapterEntry:
     slot: int | None = None
     base: int | None = None  # element offset of the region when its pages are one run (views in place)
     num_running: int = 0  # running requests using it: while > 0 it is never evicted
+    num_requests: int = 0  # unfinished requests (waiting or running) that name it: while > 0 it is never forgotten
     max_rank: int = 0
     last_used: int = 0  # the manager's clock at the last acquire or release
     placement: int = 0  # counts placements in the pool: anything derived from `pages` is keyed by it
@@ -76,7 +77,6 @@ class S3Reader:
         import boto3
 
         self._client: Any = boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region)
-        self._lock = threading.Lock()
 
     def read(self, uri: str, name: str, max_bytes: int) -> bytes:
         bucket, _, prefix = uri.removeprefix(S3_SCHEME).partition("/")
@@ -94,10 +94,9 @@ class S3Reader:
 
 
 def read_source(source: str, s3: S3Reader | None, max_bytes: int) -> tuple[bytes, bytes]:
-    """The two files of an adapter, from a local folder or an s3:// prefix."""
+    """The two files of an adapter, from a local folder or an s3:// prefix (through `s3`)."""
     if source.startswith(S3_SCHEME):
-        if s3 is None:
-            raise AdapterFormatError("s3:// adapters need an S3 endpoint configured for the engine", field="path")
+        assert s3 is not None, "s3:// sources need an S3Reader"
         return s3.read(source, CONFIG_FILE, max_bytes), s3.read(source, WEIGHTS_FILE, max_bytes)
     return read_adapter_dir(Path(source), max_weights_bytes=max_bytes)
 
@@ -126,7 +125,8 @@ class AdapterManager:
         self._host_lru: OrderedDict[str, None] = OrderedDict()
         self._host_bytes = 0
         self._executor = ThreadPoolExecutor(max_workers=config.load_workers, thread_name_prefix="lora-load")
-        self._s3 = S3Reader(config.s3_endpoint_url, config.s3_region) if config.s3_endpoint_url else None
+        self._s3_reader: S3Reader | None = None
+        self._s3_lock = threading.Lock()
         self.version = 0  # bumped whenever slots change, so per-slot tables can be cached
         self._failed: list[AdapterEntry] = []  # failed outside a load (too large for the pool), for poll()
         self._clock = 0
@@ -137,9 +137,19 @@ class AdapterManager:
         """An AdapterRef for a name and a source; without a digest, the files are read and hashed now."""
         source = str(source)
         if digest is None:
-            config_bytes, weights_bytes = read_source(source, self._s3, self.config.max_adapter_bytes)
-            digest = adapter_digest(config_bytes, weights_bytes)
+            digest = adapter_digest(*self.read_files(source))
         return AdapterRef(name=name, source=source, digest=digest)
+
+    def read_files(self, source: str) -> tuple[bytes, bytes]:
+        """An adapter's two files from a folder or an s3:// prefix (any thread)."""
+        return read_source(source, self._s3(source), self.config.max_adapter_bytes)
+
+    def _s3(self, source: str) -> S3Reader | None:
+        """The S3 client, made on first use by an s3:// source (boto3's endpoint and credentials by default)."""
+        with self._s3_lock:
+            if source.startswith(S3_SCHEME) and self._s3_reader is None:
+                self._s3_reader = S3Reader(self.config.s3_endpoint_url, self.config.s3_region)
+            return self._s3_reader
 
     # --- loading -------------------------------------------------------------------------------------------------
 
@@ -156,7 +166,7 @@ class AdapterManager:
 
     def _load(self, ref: AdapterRef) -> tuple[AdapterLayout, list[torch.Tensor]]:
         """Worker thread: read, verify the digest, validate, pack. Touches no engine state."""
-        config_bytes, weights_bytes = read_source(ref.source, self._s3, self.config.max_adapter_bytes)
+        config_bytes, weights_bytes = self.read_files(ref.source)
         digest = adapter_digest(config_bytes, weights_bytes)
         if digest != ref.digest:
             raise AdapterFormatError(
@@ -267,6 +277,7 @@ class AdapterManager:
         entry.state = AdapterState.LOADED if entry.host is not None else AdapterState.ABSENT
         self.version += 1
         logger.info("adapter %s evicted from the pool", entry.ref)
+        self._trim_host()
 
     # --- use by requests -----------------------------------------------------------------------------------------
 
@@ -291,9 +302,9 @@ class AdapterManager:
             self.pool.mark_evictable(("adapter", entry.ref.digest), len(entry.pages), lambda: self._evict(entry))
 
     def unload(self, digest: str) -> bool:
-        """Drop an adapter from every tier once no request uses it (the server's unload endpoint)."""
+        """Drop an adapter from every tier once no request (running or waiting) names it."""
         entry = self.entries.get(digest)
-        if entry is None or entry.num_running:
+        if entry is None or entry.num_requests or entry.num_running:
             return False
         if entry.state is AdapterState.RESIDENT:
             self.pool.unmark_evictable(("adapter", digest))
@@ -312,13 +323,13 @@ class AdapterManager:
         self._trim_host(keep=digest)
 
     def _trim_host(self, keep: str | None = None) -> None:
-        # Over budget: drop the oldest host copies of adapters the pool holds (a copy not in the pool is the
-        # only one, and its request is about to need it).
+        # Over budget: drop the oldest host copies that no waiting request is about to need: those of adapters
+        # the pool holds, and those no unfinished request names (a later request reloads them from the source).
         for old in list(self._host_lru):
             if self._host_bytes <= self.config.host_budget_bytes:
                 break
             entry_old = self.entries[old]
-            if old != keep and entry_old.state is AdapterState.RESIDENT:
+            if old != keep and (entry_old.state is AdapterState.RESIDENT or entry_old.num_requests == 0):
                 self._forget_host(entry_old)
 
     def _forget_host(self, entry: AdapterEntry) -> None:

@@ -184,6 +184,8 @@ class EngineCore:
             generator=generator,
             adapter=self.adapters.request(lora) if lora is not None else None,
         )
+        if request.adapter is not None:
+            request.adapter.num_requests += 1
         self.requests[request_id] = request
         self.outputs.add(request)
         self.scheduler.add(request)
@@ -276,6 +278,8 @@ class EngineCore:
         return outputs
 
     def _finalize(self, request: Request) -> RequestOutput:
+        if request.adapter is not None:
+            request.adapter.num_requests -= 1
         output = self.outputs.make_output(request)
         self.outputs.remove(request.request_id)
         del self.requests[request.request_id]

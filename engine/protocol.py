@@ -1,4 +1,5 @@
-"""OpenAI's wire shapes for the engine server: /v1/completions, /v1/chat/completions and /v1/models.
+"""OpenAI's wire shapes for the engine server: /v1/completions, /v1/chat/completions and /v1/models, and vLLM's
+for /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 Requests accept OpenAI's fields plus vLLM's sampling extras (top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
 skip_special_tokens, include_stop_str_in_output); unknown fields are ignored, as both servers do, and listed in
@@ -418,6 +419,18 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
 
 
+# --- /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) ----------------------------------------------------
+
+
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: str
+    lora_path: str  # a folder PEFT's save_pretrained wrote, or s3://bucket/prefix holding the same two files
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: str
+
+
 # --- /v1/models and errors ---------------------------------------------------------------------------------------
 
 
@@ -426,6 +439,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "loraplex"
+    root: str | None = None  # vLLM's: the base model's name, or an adapter's source (folder or s3:// URI)
+    parent: str | None = None  # vLLM's: an adapter's base model; None for the base model itself
     max_model_len: int
 
 

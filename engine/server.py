@@ -1,15 +1,18 @@
 """The engine's OpenAI-compatible HTTP server, shaped like vLLM's so its users feel at home.
 
-Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v1/models, GET /v1/state (the load
-the platform's router reads), GET /healthz, GET /metrics (Prometheus). Every error, routing and body validation
-included, answers in OpenAI's envelope `{"error": {message, type, param, code}}`.
+Routes: POST /v1/completions and /v1/chat/completions (streaming or not; `model` names the base model or a LoRA
+adapter), GET /v1/models (the base model and its adapters), POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+(vLLM's), GET /v1/state (the load the platform's router reads), GET /healthz, GET /metrics (Prometheus). Every error,
+routing and body validation included, answers in OpenAI's envelope `{"error": {message, type, param, code}}`.
 
 This module is the HTTP layer: the exception handler and error envelope, SSE framing, the controllers, and the app.
 What a request means (validation, generation, the response bodies) is `serving`'s `OpenAIServing`.
 
 Ownership: `create_engine_app` serves an engine it does not own (the caller creates and shuts it down); `serve`
 owns one for the life of a uvicorn server. A request is validated before anything is sent, so a bad request is a
-400 even when it asked for a stream; once a stream has begun, an error ends it with an error event and `[DONE]`.
+400 even when it asked for a stream; once a stream has begun, an error ends it with an error event and `[DONE]`
+(an adapter that fails to load while the request waits for it is such an error: a 400 if the adapter is at fault,
+a 500 if the server is).
 A client that goes away aborts its engine requests, which frees their pages: a stream's generator is closed
 (Litestar cancels it on disconnect, and the response's background task closes it otherwise), and a non-streaming
 request races its generation against the disconnect, answering 499.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Final
 
 from litestar import Controller, Litestar, Request, Response, get, post
@@ -31,18 +34,20 @@ from litestar.params import JSONBody
 from litestar.response import Stream
 from pydantic import BaseModel
 
+from loraplex.engine.adapter_ref import LoRARequest
 from loraplex.engine.api_errors import ApiError, ClientDisconnected
-from loraplex.engine.async_engine import AsyncEngine, EngineDeadError
+from loraplex.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import EngineError, RequestError
+from loraplex.engine.lora_registry import LoraRegistry
 from loraplex.engine.metrics import CONTENT_TYPE
 from loraplex.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorDetail,
     ErrorResponse,
-    ModelCard,
-    ModelList,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
 )
 from loraplex.engine.serving import Job, OpenAIServing
 
@@ -72,6 +77,12 @@ def _error_detail(exc: BaseException, request: Request[Any, Any, Any] | None = N
         status_code, message, code, param = exc.status_code, exc.message, exc.code, exc.param
     elif isinstance(exc, EngineDeadError):
         status_code, message, code = 503, str(exc), "engine_unavailable"
+    elif isinstance(exc, RequestFailed):
+        # The adapter's fault (bad files, too large for this pool) is the client's; anything else is ours.
+        status_code, message, code = (400 if exc.is_client_error else 500), str(exc), "lora_adapter_load_failed"
+        param = "model" if exc.is_client_error else None
+        if not exc.is_client_error:
+            logger.error("a request failed: %s", exc, exc_info=exc.cause)
     elif isinstance(exc, RequestError):
         status_code, message, code, param = 400, str(exc), exc.code or "invalid_request", exc.param
     elif isinstance(exc, ValidationException):
@@ -196,14 +207,28 @@ class OpenAIController(Controller):
         except ClientDisconnected:
             return _client_closed()
 
-    @get("/models", summary="The served model")
+    @get("/models", summary="The base model and its LoRA adapters")
     async def models(self, serving: Serving) -> Response[bytes]:
-        card = ModelCard(id=serving.model_name, created=serving.created, max_model_len=serving.max_model_len)
-        return _json(ModelList(data=[card]))
+        return _json(serving.models())
+
+    @post("/load_lora_adapter", status_code=200, summary="Validate a LoRA adapter and serve it under a name (vLLM's)")
+    async def load_lora_adapter(self, data: JSONBody[LoadLoRAAdapterRequest], serving: Serving) -> Response[str]:
+        await serving.loras.load(data.lora_name, data.lora_path)
+        return _text(f"Success: LoRA adapter '{data.lora_name}' added successfully.")
+
+    @post("/unload_lora_adapter", status_code=200, summary="Stop serving a LoRA adapter name (vLLM's)")
+    async def unload_lora_adapter(self, data: JSONBody[UnloadLoRAAdapterRequest], serving: Serving) -> Response[str]:
+        await serving.loras.unload(data.lora_name)
+        return _text(f"Success: LoRA adapter '{data.lora_name}' removed successfully.")
 
     @get("/state", summary="Load and free capacity, for the platform's router")
     async def state(self, serving: Serving) -> dict[str, Any]:
         return serving.state()
+
+
+def _text(message: str) -> Response[str]:
+    # vLLM answers these two routes with plain text; its users' scripts print or ignore it.
+    return Response(message, status_code=200, media_type="text/plain")
 
 
 def _client_closed() -> Response[bytes]:
@@ -226,9 +251,10 @@ class OperationsController(Controller):
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def create_engine_app(engine: AsyncEngine) -> Litestar:
-    """An app serving `engine`, which the caller owns (creates, and shuts down after the app stops)."""
-    serving = OpenAIServing(engine)
+def create_engine_app(engine: AsyncEngine, loras: LoraRegistry | None = None) -> Litestar:
+    """An app serving `engine`, which the caller owns (creates, and shuts down after the app stops), and the
+    adapters already in `loras` (see `load_lora_modules`); without it, adapters come only from the load route."""
+    serving = OpenAIServing(engine, loras)
 
     def provide_serving() -> OpenAIServing:
         return serving
@@ -242,16 +268,29 @@ def create_engine_app(engine: AsyncEngine) -> Litestar:
     )
 
 
-async def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8100) -> None:
-    """Load the engine, serve it until uvicorn is told to stop (SIGINT/SIGTERM), then shut the engine down.
+async def load_lora_modules(engine: AsyncEngine, lora_modules: Sequence[LoRARequest]) -> LoraRegistry:
+    """A registry holding the adapters named at start-up, each validated and hashed (vLLM's --lora-modules).
 
-    Raises CheckpointError / ValueError from loading before anything listens.
+    Raises LoraModuleError (a ValueError naming the adapter) for the first one that cannot be served.
+    """
+    loras = LoraRegistry(engine, engine.core.served_model_name)
+    await loras.load_all(lora_modules)
+    return loras
+
+
+async def serve(
+    config: EngineConfig, host: str = "127.0.0.1", port: int = 8100, lora_modules: Sequence[LoRARequest] = ()
+) -> None:
+    """Load the engine and the adapters named in `lora_modules`, serve them until uvicorn is told to stop
+    (SIGINT/SIGTERM), then shut the engine down.
+
+    Raises CheckpointError / ValueError from loading (LoraModuleError for an adapter) before anything listens.
     """
     import uvicorn
 
     engine = await AsyncEngine.create(config)
     try:
-        app = create_engine_app(engine)
+        app = create_engine_app(engine, await load_lora_modules(engine, lora_modules))
         server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
         )
@@ -260,4 +299,4 @@ async def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8100)
         await engine.shutdown()
 
 
-__all__ = ["create_engine_app", "handle_exception", "serve"]
+__all__ = ["create_engine_app", "handle_exception", "load_lora_modules", "serve"]

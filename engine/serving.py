@@ -6,6 +6,9 @@ engine requests (one per prompt, merged as their outputs come) and turns the out
 stream chunks, recording each engine request's metrics and log line however it ends. A non-streaming request races
 its generation against the client's disconnect and raises `ClientDisconnected` if the client goes first; closing a
 stream's generator aborts its engine requests. HTTP framing (SSE, status codes, the error envelope) is `server`'s.
+
+`model` names the base model or a registered LoRA adapter (`LoraRegistry`); the name is resolved to an
+`AdapterRef` once, when the job is made, so a name re-pointed later never changes a request already accepted.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from typing import Any, Final, TypeVar
 from litestar import Request
 from pydantic import BaseModel
 
+from loraplex.engine.adapter_ref import AdapterRef
 from loraplex.engine.api_errors import ApiError, ClientDisconnected
 from loraplex.engine.async_engine import AsyncEngine, EngineDeadError
 from loraplex.engine.errors import ContextLengthExceeded
+from loraplex.engine.lora_registry import LoraMetrics, LoraRegistry
 from loraplex.engine.metrics import EngineMetrics, RequestRecord
 from loraplex.engine.outputs import PositionLogprobs, RequestOutput
 from loraplex.engine.protocol import (
@@ -41,6 +46,8 @@ from loraplex.engine.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    ModelCard,
+    ModelList,
     Usage,
 )
 from loraplex.engine.sampling_params import SamplingParams
@@ -61,13 +68,15 @@ class _Prompt:
 
 @dataclass(slots=True)
 class Job:
-    """One HTTP request: its engine requests share the response id, arrival time and parameters."""
+    """One HTTP request: its engine requests share the response id, arrival time, parameters and adapter."""
 
     response_id: str
     created: int
     prompts: list[_Prompt]
     params: SamplingParams
     arrived: float  # perf_counter() when the HTTP request reached its handler
+    model: str  # the name the client asked for (the base model's or an adapter's), echoed in responses
+    lora: AdapterRef | None  # None: the base model
 
     def request_id(self, index: int) -> str:
         return self.response_id if len(self.prompts) == 1 else f"{self.response_id}-{index}"
@@ -154,25 +163,33 @@ def _usage(job: Job, finals: dict[int, RequestOutput]) -> Usage:
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, loras: LoraRegistry | None = None) -> None:
         self.engine = engine
         self.model_name = engine.core.served_model_name
         self.max_model_len = engine.core.max_model_len
         self.created = int(time.time())
+        self.loras = loras if loras is not None else LoraRegistry(engine, self.model_name)
         self.metrics = EngineMetrics(engine.state, lambda: engine.is_healthy)
+        self.lora_metrics = LoraMetrics(self.metrics.registry, self.loras)
 
     # validation, before any response byte
 
-    def _check_model(self, model: str | None) -> None:
+    def _check_model(self, model: str | None) -> tuple[str, AdapterRef | None]:
+        """The name to echo and the adapter to run (None: the base model)."""
         if not self.engine.is_healthy:
             raise EngineDeadError("the engine has failed; restart it")
-        if model is not None and model != self.model_name:
+        if model is None or model == self.model_name:
+            return self.model_name, None
+        lora = self.loras.get(model)
+        if lora is None:
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                f"The model `{model}` does not exist. This server serves `{self.model_name}` and its LoRA adapters "
+                "(GET /v1/models lists them).",
                 code="model_not_found",
                 param="model",
             )
+        return model, lora
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
         try:
@@ -187,7 +204,7 @@ class OpenAIServing:
 
     def completion_job(self, body: CompletionRequest) -> Job:
         arrived = time.perf_counter()
-        self._check_model(body.model)
+        model, lora = self._check_model(body.model)
         params = body.sampling_params()
         tokenizer = self.engine.core.tokenizer
         prompts: list[_Prompt] = []
@@ -198,20 +215,20 @@ class OpenAIServing:
                 text = tokenizer.decode(prompt, skip_special_tokens=False) if body.echo else None
                 prompts.append(_Prompt(list(prompt), text))
             self._check_prompt(prompts[-1].token_ids, params, "prompt")
-        job = Job(f"cmpl-{secrets.token_hex(16)}", int(time.time()), prompts, params, arrived)
+        job = Job(f"cmpl-{secrets.token_hex(16)}", int(time.time()), prompts, params, arrived, model, lora)
         self._log_unknown(job.response_id, body.unknown_fields)
         return job
 
     def chat_job(self, body: ChatCompletionRequest) -> Job:
         arrived = time.perf_counter()
-        self._check_model(body.model)
+        model, lora = self._check_model(body.model)
         params = body.sampling_params()
         tokenizer = self.engine.core.tokenizer
         text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt)
         # The rendered template carries its own special tokens (BOS included): adding them again would double them.
         prompt = _Prompt(tokenizer.encode(text, add_special_tokens=False), text)
         self._check_prompt(prompt.token_ids, params, "messages")
-        job = Job(f"chatcmpl-{secrets.token_hex(16)}", int(time.time()), [prompt], params, arrived)
+        job = Job(f"chatcmpl-{secrets.token_hex(16)}", int(time.time()), [prompt], params, arrived, model, lora)
         self._log_unknown(job.response_id, body.unknown_fields)
         return job
 
@@ -225,7 +242,7 @@ class OpenAIServing:
         last: RequestOutput | None = None
         failed = False
         try:
-            outputs = self.engine.generate(prompt.token_ids, job.params, request_id)
+            outputs = self.engine.generate(prompt.token_ids, job.params, request_id, lora=job.lora)
             # Closing the generator is what aborts the request.
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
@@ -251,9 +268,12 @@ class OpenAIServing:
                 latency_s=ended - job.arrived,
             )
             self.metrics.record(record)
+            if job.lora is not None:
+                self.lora_metrics.record(job.model, finish_reason)
             logger.info(
-                "%s: %d prompt tokens (%d cached), %d generated, finish %s, first token %s, %.3f s",
+                "%s: %s, %d prompt tokens (%d cached), %d generated, finish %s, first token %s, %.3f s",
                 request_id,
+                job.model,
                 record.num_prompt_tokens,
                 record.num_cached_tokens,
                 record.num_generated_tokens,
@@ -310,13 +330,13 @@ class OpenAIServing:
                 )
             )
         return CompletionResponse(
-            id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=_usage(job, finals)
+            id=job.response_id, created=job.created, model=job.model, choices=choices, usage=_usage(job, finals)
         )
 
     async def complete_stream(self, job: Job, body: CompletionRequest) -> AsyncGenerator[BaseModel, None]:
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionChunk:
             return CompletionChunk(
-                id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=usage
+                id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
             )
 
         if body.echo:
@@ -363,13 +383,13 @@ class OpenAIServing:
             stop_reason=completion.stop_reason,
         )
         return ChatCompletionResponse(
-            id=job.response_id, created=job.created, model=self.model_name, choices=[choice], usage=_usage(job, finals)
+            id=job.response_id, created=job.created, model=job.model, choices=[choice], usage=_usage(job, finals)
         )
 
     async def chat_stream(self, job: Job, body: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(
-                id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=usage
+                id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
             )
 
         yield chunk([ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
@@ -395,6 +415,28 @@ class OpenAIServing:
 
     # operations
 
+    def models(self) -> ModelList:
+        """The base model, then every registered adapter, as vLLM lists them."""
+        cards = [
+            ModelCard(
+                id=self.model_name,
+                created=self.created,
+                root=str(self.engine.core.config.model),
+                max_model_len=self.max_model_len,
+            )
+        ]
+        for registered in self.loras.adapters():
+            cards.append(
+                ModelCard(
+                    id=registered.ref.name,
+                    created=registered.created,
+                    root=registered.ref.source,
+                    parent=self.model_name,
+                    max_model_len=self.max_model_len,
+                )
+            )
+        return ModelList(data=cards)
+
     def state(self) -> dict[str, Any]:
         state = self.engine.state()
         pool = state.pool
@@ -412,6 +454,7 @@ class OpenAIServing:
                 "page_bytes": pool.page_bytes,
                 "by_kind": dict(pool.by_kind),
             },
+            "adapters": self.loras.report(),
         }
 
 

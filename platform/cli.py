@@ -188,6 +188,36 @@ def engine() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of unseeded sampling.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--num-threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
+@click.option(
+    "--lora",
+    "lora_modules",
+    multiple=True,
+    metavar="NAME=PATH",
+    help="Serve a LoRA adapter as model NAME: a folder PEFT's save_pretrained wrote, or s3://bucket/prefix. "
+    "Repeatable; more can be loaded at run time with POST /v1/load_lora_adapter.",
+)
+@click.option(
+    "--max-loras",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Adapters resident in the pool at once.",
+)
+@click.option(
+    "--max-lora-rank",
+    type=click.IntRange(1, 1024),
+    default=128,
+    show_default=True,
+    help="The largest adapter rank accepted.",
+)
+@click.option(
+    "--max-adapters-per-batch",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Distinct adapters in one step.",
+)
+@click.option("--s3-endpoint-url", default=None, help="S3 endpoint for s3:// adapters (MinIO, SeaweedFS, AWS).")
 def engine_serve(
     model_path: Path,
     host: str,
@@ -203,12 +233,19 @@ def engine_serve(
     seed: int,
     device: str,
     num_threads: int | None,
+    lora_modules: tuple[str, ...],
+    max_loras: int,
+    max_lora_rank: int,
+    max_adapters_per_batch: int,
+    s3_endpoint_url: str | None,
 ) -> None:
-    """Serve one model over OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions, /v1/models)."""
+    """Serve one model and its LoRA adapters over OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions,
+    /v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
     from dataclasses import fields
 
     import torch
 
+    from loraplex.engine.adapter_ref import LoRARequest
     from loraplex.engine.config import EngineConfig
     from loraplex.engine.errors import CheckpointError
     from loraplex.engine.server import serve
@@ -222,6 +259,12 @@ def engine_serve(
             budget = parse_memory_budget(kv_budget)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--kv-budget") from None
+    loras: list[LoRARequest] = []
+    for spec in lora_modules:
+        name, _, path = spec.partition("=")
+        if not name.strip() or not path.strip():
+            raise click.BadParameter(f"{spec!r} is not NAME=PATH", param_hint="--lora")
+        loras.append(LoRARequest(name.strip(), path.strip()))
     if device != "auto":
         try:
             resolved = torch.device(device)
@@ -242,6 +285,10 @@ def engine_serve(
             seed=seed,
             num_threads=num_threads,
             served_model_name=served_model_name,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_adapters_per_batch=max_adapters_per_batch,
+            s3_endpoint_url=s3_endpoint_url,
         )
     except ValueError as exc:
         # EngineConfig's messages start with the field's name; point at the option that set it.
@@ -252,9 +299,10 @@ def engine_serve(
 
     _configure_logging()
     try:
-        asyncio.run(serve(config, host=host, port=port))
+        asyncio.run(serve(config, host=host, port=port, lora_modules=loras))
     except (CheckpointError, ValueError) as exc:
-        # A bad model folder, or a context or budget the model and memory cannot honour: the message says which.
+        # A bad model folder, a context or budget the model and memory cannot honour, or an adapter that cannot be
+        # served (LoraModuleError names it): the message says which.
         raise click.ClickException(str(exc)) from None
 
 

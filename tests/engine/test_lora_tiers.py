@@ -211,3 +211,28 @@ def test_digest_is_content_not_path(base: Path, adapters: dict[str, Path], tmp_p
     shutil.copytree(adapters["c"], copy)
     core = _core(base)
     assert core.resolve_lora(LoRARequest("x", copy)).digest == core.resolve_lora(LoRARequest("y", adapters["c"])).digest
+
+
+@pytest.mark.unit
+def test_unload_waits_for_every_request_that_names_the_adapter(base: Path, adapters: dict[str, Path]) -> None:
+    core = _core(base)
+    ref = core.resolve_lora(LoRARequest("a", adapters["a"]))
+    core.add_request("r", [1, 2, 3], GREEDY, lora=ref)
+    assert not core.adapters.unload(ref.digest)  # still waiting for it
+    _drain(core)
+    assert core.adapters.unload(ref.digest)
+    assert ref.digest not in core.adapters.entries
+    assert core.pool.usage().by_kind["adapter"] == 0
+
+
+@pytest.mark.unit
+def test_host_tier_stays_within_its_budget(base: Path, adapters: dict[str, Path]) -> None:
+    # Two slots for four adapters and a host budget of about one adapter: evicted adapters' host copies go too.
+    core = _core(base, max_loras=2, max_adapters_per_batch=2, lora_host_budget=200_000)
+    for name, path in adapters.items():
+        core.add_request(name, [1, 2, 3], GREEDY, lora=core.resolve_lora(LoRARequest(name, path)))
+    _drain(core)
+    held = [e for e in core.adapters.entries.values() if e.host is not None]
+    largest = max(e.host_bytes for e in held) if held else 0
+    assert core.adapters._host_bytes <= max(200_000, largest)
+    assert len(core.adapters.resident()) <= 2
