@@ -328,6 +328,27 @@ def engine_demo_model(path: Path, size: str) -> None:
     click.echo(f"wrote a random {spec.num_parameters / 1e6:.1f}M-parameter {spec.architecture} model to {written}")
 
 
+@engine.command("demo-adapter")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--model", "model_path", type=click.Path(path_type=Path), required=True, help="The base model folder.")
+@click.option("--rank", type=int, default=8, show_default=True, help="LoRA rank.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+def engine_demo_adapter(path: Path, model_path: Path, rank: int, seed: int) -> None:
+    """Write a random LoRA adapter for MODEL into PATH, in PEFT's format (all linear layers)."""
+    from loraplex.engine.demo_adapter import write_random_adapter
+    from loraplex.engine.errors import CheckpointError
+    from loraplex.engine.model_config import ModelConfig
+
+    if path.exists() and any(path.iterdir()):
+        raise click.ClickException(f"{path} is not empty")
+    try:
+        config = ModelConfig.from_dir(model_path)
+        written = write_random_adapter(path, config, rank=rank, seed=seed, init_std=0.05)
+    except (CheckpointError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote a random rank-{rank} LoRA adapter for {model_path} to {written}")
+
+
 @main.group()
 def db() -> None:
     """Database schema."""

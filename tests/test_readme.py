@@ -120,8 +120,8 @@ def test_makefile_has_the_readme_commands() -> None:
     assert "make test" in (REPO / ".ci" / "run").read_text()
 
 
-def _engine_blocks() -> tuple[str, str]:
-    section = README.split("## Engine", 1)[1].split("\n## ", 1)[0]
+def _section_blocks(title: str) -> tuple[str, str]:
+    section = README.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
     shell = re.search(r"```bash\n(.*?)```", section, re.S)
     python = re.search(r"```python\n(.*?)```", section, re.S)
     assert shell is not None and python is not None
@@ -130,7 +130,7 @@ def _engine_blocks() -> tuple[str, str]:
 
 @pytest.mark.slow
 def test_engine_tour_runs_as_written(tmp_path: Path) -> None:
-    shell, python = _engine_blocks()
+    shell, python = _section_blocks("Engine")
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     # The tour leaves its server running in the background; stop it when the block is done.
@@ -144,6 +144,31 @@ def test_engine_tour_runs_as_written(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert '"object":"chat.completion"' in result.stdout.replace(" ", "")
+    ran = subprocess.run(
+        [sys.executable, "-c", python], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert ran.stdout.startswith("[")
+
+
+@pytest.mark.slow
+def test_adapter_tour_runs_as_written(tmp_path: Path) -> None:
+    engine_shell, _ = _section_blocks("Engine")
+    shell, python = _section_blocks("Adapters (LoRA)")
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    setup = engine_shell.splitlines()[0] + "\n"  # the demo model the adapter tour builds on
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", setup + shell + "kill %1\n"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert '"model":"tuned"' in result.stdout.replace(" ", "")
+    assert "tuned-2" in result.stdout
     ran = subprocess.run(
         [sys.executable, "-c", python], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
