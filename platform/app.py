@@ -20,6 +20,8 @@ from loraplex.platform.dependencies import (
     require_tenant,
 )
 from loraplex.platform.domain.api_keys.controllers import AdminApiKeyController, TenantApiKeyController
+from loraplex.platform.domain.base_models.controllers import AdminBaseModelController
+from loraplex.platform.domain.endpoints.controllers import EndpointController
 from loraplex.platform.domain.tenants.controllers import AdminTenantController, TenantSelfController
 from loraplex.platform.errors import handle_exception
 from loraplex.platform.health import HealthController
@@ -48,14 +50,14 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
 
     v1 = Router(
         path="/v1",
-        route_handlers=[TenantSelfController, TenantApiKeyController],
+        route_handlers=[TenantSelfController, TenantApiKeyController, EndpointController],
         guards=[require_tenant],
         dependencies={"principal": Provide(provide_principal)},
         security=[{"ApiKey": []}],
     )
     admin = Router(
         path="/admin",
-        route_handlers=[AdminTenantController, AdminApiKeyController],
+        route_handlers=[AdminTenantController, AdminApiKeyController, AdminBaseModelController],
         guards=[require_admin],
         dependencies={"admin": Provide(provide_admin)},
         security=[{"AdminToken": []}],

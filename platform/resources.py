@@ -17,6 +17,7 @@ from loraplex.platform.auth import Authenticator
 from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.db.migrate import ensure_at_head
 from loraplex.platform.domain.api_keys.keys import KeyHasher
+from loraplex.platform.domain.base_models.service import ModelConfigs
 from loraplex.platform.kv import KeyValueStore, open_kv_store
 from loraplex.platform.objectstore import ObjectStore, open_object_store
 from loraplex.platform.settings import Settings, SettingsError
@@ -66,6 +67,7 @@ class Resources:
     objects: ObjectStore
     hasher: KeyHasher
     authenticator: Authenticator
+    model_configs: ModelConfigs
 
     @classmethod
     async def open(cls, settings: Settings, *, check_migrations: bool = True) -> Resources:
@@ -102,6 +104,7 @@ class Resources:
             objects=objects,
             hasher=hasher,
             authenticator=authenticator,
+            model_configs=ModelConfigs(settings),
         )
 
     async def close(self) -> None:

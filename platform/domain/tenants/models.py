@@ -26,3 +26,8 @@ class Tenant(Base):
     status: Mapped[str] = mapped_column(String(16), default=TenantStatus.ACTIVE.value)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    # Rate limits set by an admin (None: the platform's defaults); per tenant, and per API key of the tenant.
+    requests_per_minute: Mapped[int | None] = mapped_column(default=None)
+    tokens_per_minute: Mapped[int | None] = mapped_column(default=None)
+    key_requests_per_minute: Mapped[int | None] = mapped_column(default=None)
+    key_tokens_per_minute: Mapped[int | None] = mapped_column(default=None)

@@ -1,0 +1,1 @@
+"""Tenants' LoRA adapters: uploads, validation, versions, storage in the object store."""

@@ -1,0 +1,42 @@
+"""Every query on adapters; every read takes the tenant id."""
+
+from __future__ import annotations
+
+import uuid
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from loraplex.platform.db.pagination import Page, fetch_page
+from loraplex.platform.domain.adapters.models import Adapter
+from loraplex.platform.ids import TenantId
+
+
+class AdapterRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._session = session
+
+    async def get_readable_by_id(self, adapter_id: uuid.UUID, tenant_id: TenantId) -> Adapter | None:
+        found: Adapter | None = await self._session.scalar(
+            select(Adapter).where(Adapter.id == adapter_id, Adapter.tenant_id == tenant_id)
+        )
+        return found
+
+    async def list_for_tenant(self, tenant_id: TenantId, *, limit: int, after: uuid.UUID | None) -> Page[Adapter]:
+        query = select(Adapter).where(Adapter.tenant_id == tenant_id)
+        return await fetch_page(self._session, Adapter, query, limit=limit, after=after)
+
+    async def latest_version(self, name: str, tenant_id: TenantId) -> int:
+        latest = await self._session.scalar(
+            select(func.max(Adapter.version)).where(Adapter.name == name, Adapter.tenant_id == tenant_id)
+        )
+        return int(latest or 0)
+
+    async def add(self, adapter: Adapter) -> Adapter:
+        self._session.add(adapter)
+        await self._session.flush()
+        return adapter
+
+    async def delete(self, adapter: Adapter) -> None:
+        await self._session.delete(adapter)
+        await self._session.flush()

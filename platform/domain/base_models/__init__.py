@@ -1,0 +1,1 @@
+"""Base models: the checkpoints engines serve, registered by an admin."""

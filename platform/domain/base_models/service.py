@@ -1,0 +1,92 @@
+"""Base model logic: registration (the checkpoint's config.json must be readable and supported) and the model
+configs adapter validation needs. Stateless apart from a config cache; never commits."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import anyio.to_thread
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from loraplex.engine.errors import CheckpointError
+from loraplex.engine.model_config import ModelConfig
+from loraplex.platform.domain.base_models.models import BaseModel
+from loraplex.platform.domain.base_models.repository import BaseModelRepository
+from loraplex.platform.errors import ApiError, conflict, invalid_request
+from loraplex.platform.settings import Settings
+
+
+class ModelConfigs:
+    """The engine ModelConfig of each base model, read once from its source (a folder or s3://)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._cache: dict[str, ModelConfig] = {}
+
+    async def of(self, source: str) -> ModelConfig:
+        cached = self._cache.get(source)
+        if cached is None:
+            cached = await anyio.to_thread.run_sync(self._read, source)
+            self._cache[source] = cached
+        return cached
+
+    def _read(self, source: str) -> ModelConfig:
+        if not source.startswith("s3://"):
+            return ModelConfig.from_dir(Path(source))
+        import boto3
+
+        bucket, _, prefix = source.removeprefix("s3://").partition("/")
+        key = f"{prefix.rstrip('/')}/config.json" if prefix else "config.json"
+        secret = self._settings.s3_secret_access_key
+        client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=self._settings.s3_endpoint_url,
+            region_name=self._settings.s3_region,
+            aws_access_key_id=self._settings.s3_access_key_id,
+            aws_secret_access_key=secret.get_secret_value() if secret else None,
+        )
+        try:
+            raw = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+            return ModelConfig.from_dict(json.loads(raw))
+        except CheckpointError:
+            raise
+        except Exception as exc:  # botocore and json raise many types; the message is what the admin needs
+            raise CheckpointError(f"could not read {source}/config.json: {exc}") from None
+
+
+class BaseModelService:
+    def __init__(self, session: AsyncSession, configs: ModelConfigs) -> None:
+        self._session = session
+        self._models = BaseModelRepository(session)
+        self._configs = configs
+
+    async def create(self, name: str, source: str, quantization: str | None) -> BaseModel:
+        if await self._models.get_by_name(name) is not None:
+            raise conflict(f"A base model named '{name}' already exists.", param="name")
+        try:
+            await self._configs.of(source)
+        except CheckpointError as exc:
+            raise invalid_request(f"The base model at {source} cannot be served: {exc}", param="source") from None
+        try:
+            async with self._session.begin_nested():
+                return await self._models.add(BaseModel(name=name, source=source, quantization=quantization))
+        except IntegrityError:
+            raise conflict(f"A base model named '{name}' already exists.", param="name") from None
+
+    async def list(self) -> list[BaseModel]:
+        return await self._models.list()
+
+    async def by_name(self, name: str) -> BaseModel | None:
+        return await self._models.get_by_name(name)
+
+    async def get(self, base_model_id: uuid.UUID) -> BaseModel:
+        found = await self._models.get(base_model_id)
+        if found is None:
+            raise ApiError(404, f"No base model with id '{base_model_id}'.", code="not_found")
+        return found
+
+    async def config(self, base_model: BaseModel) -> ModelConfig:
+        return await self._configs.of(base_model.source)

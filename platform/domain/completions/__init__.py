@@ -1,0 +1,1 @@
+"""OpenAI-compatible completions for tenants, routed to engines."""

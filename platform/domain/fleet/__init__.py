@@ -1,0 +1,1 @@
+"""The fleet: engine replicas, their registry in Redis, and routing."""

@@ -1,0 +1,1 @@
+"""Usage: one row per request, the source of billing."""

@@ -1,0 +1,718 @@
+"""Trains loraplex's demo model and two LoRA adapters on a CPU, from text that ships with Python.
+
+    .venv/bin/python scripts/train_demo.py            # writes demo/ (minutes on 2 CPU threads)
+    .venv/bin/python scripts/train_demo.py --check    # seconds: does demo/ still match this script?
+
+The corpus is pydoc's help topics (`pydoc_data.topics`, the text `help("assert")` shows) and the docstrings of the
+standard library's top-level modules, read with `ast` (nothing is imported). From it come a byte-level BPE tokenizer,
+a small Llama (GQA, SwiGLU, tied embeddings) and two PEFT LoRA adapters:
+
+- upper: answers in UPPER CASE, the same answer the base model gives;
+- terse: answers with the first sentence only, then ends its turn.
+
+Training is plain torch (AdamW, fp32) on transformers' LlamaForCausalLM, with peft for the adapters: both are dev
+dependencies, and this is a script, never product code. Seeds are fixed, so a rerun on the same Python, library
+versions and thread count gives the same files. docs/decisions/0008-demo-model.md says why it is built this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import random
+import re
+import shutil
+import sys
+import sysconfig
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraplex.engine.demo import (
+    BOS_TOKEN,
+    DEFAULT_CHAT_TEMPLATE,
+    END_OF_TEXT_TOKEN,
+    IM_END_TOKEN,
+    SPECIAL_TOKENS,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "demo"
+# What adapter_config.json names as its base: a name, never a path on the machine that trained it.
+BASE_MODEL_NAME = "loraplex-demo"
+MAX_DEMO_BYTES = 20 * 2**20
+
+# The model: about 4M parameters, a few MB in bf16, fast enough to train and serve on two CPU threads.
+VOCAB_SIZE = 4096
+HIDDEN_SIZE = 256
+NUM_LAYERS = 4
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+INTERMEDIATE_SIZE = 704
+CONTEXT_LENGTH = 256
+ROPE_THETA = 10000.0
+RMS_NORM_EPS = 1e-5
+
+# Pretraining. A block is upper-cased with this probability (drawn again every epoch), so the base model knows upper
+# case as a way of writing the same words, as any real base model does; the upper adapter only has to switch it on.
+UPPER_BLOCK_PROBABILITY = 0.2
+BASE_STEPS = 360
+BASE_BATCH = 16  # sequences of CONTEXT_LENGTH tokens
+BASE_LR = 2e-3
+WARMUP_STEPS = 20
+
+# The adapters: rank 8 on every projection, trained on chat turns only (loss on the answer and its <|im_end|>).
+ADAPTERS = ("upper", "terse")
+LORA_RANK = 8
+LORA_ALPHA = 16
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_STEPS = 120
+ADAPTER_BATCH = 16
+ADAPTER_LR = 2e-3
+
+QUESTION_TEMPLATES = (
+    "Tell me about {subject}.",
+    "What is {subject}?",
+    "Explain {subject}.",
+    "Can you describe {subject}?",
+    "What should I know about {subject}?",
+)
+# The prompts demo/README.md shows; the first is the one tests/test_demo_assets.py asserts on.
+SAMPLE_PROMPTS = (
+    'Tell me about the "for" statement.',
+    'What is the "json" module?',
+    "How do I write a class?",
+)
+SAMPLE_MAX_TOKENS = 64
+
+_UNDERLINE = re.compile(r"([*=\-~^])\1+")
+# A sentence ends at . ! or ? followed by a capital or a quote: "e.g. the" and "1.5" stay inside one.
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(A-Z])")
+MAX_ANSWER_SENTENCES = 3
+MAX_ANSWER_CHARS = 400
+
+
+@dataclass(frozen=True)
+class Document:
+    """One help topic or module docstring: sections of (title, blocks); prose is unwrapped to one line a block."""
+
+    sections: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def blocks(self) -> Iterator[str]:
+        for title, blocks in self.sections:
+            yield title
+            yield from blocks
+
+
+@dataclass(frozen=True)
+class QA:
+    """A chat turn the base model learns to answer: a question about `subject`, answered by pydoc's own words."""
+
+    subject: str  # 'the "assert" statement'
+    answer: str  # the section's opening sentences (at most three)
+
+
+# ---------------------------------------------------------------------------------------------------------- corpus
+
+
+def load_documents() -> list[Document]:
+    """pydoc's topics (deduplicated: 'if' and 'else' are one text) and the stdlib's module docstrings, sorted."""
+    from pydoc_data.topics import topics
+
+    documents = [_parse(text) for text in sorted(set(topics.values()))]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        try:
+            docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        if docstring and len(docstring) >= 200:  # shorter ones are mostly a line naming the module
+            documents.append(_parse(docstring, title=f'The "{path.stem}" module'))
+    return documents
+
+
+def _parse(text: str, *, title: str = "") -> Document:
+    sections: list[tuple[str, tuple[str, ...]]] = []
+    blocks: list[str] = []
+    for raw in re.split(r"\n\s*\n", text.strip("\n")):
+        lines = raw.rstrip().split("\n")
+        if len(lines) == 2 and _UNDERLINE.fullmatch(lines[1].strip()):  # reST title: a new section starts
+            if title or blocks:
+                sections.append((title, tuple(blocks)))
+            title, blocks = lines[0].strip(), []
+            continue
+        lines = [line for line in lines if not _UNDERLINE.fullmatch(line.strip())]
+        if not lines:
+            continue
+        if _is_prose(lines):
+            # pydoc wraps at 70 columns; a chat answer is one line, so the model learns prose as one.
+            blocks.append(re.sub(" {2,}", " ", " ".join(line.strip() for line in lines)))
+        else:
+            blocks.append("\n".join(lines))
+    sections.append((title, tuple(blocks)))
+    return Document(tuple((t, b) for t, b in sections if t or b))
+
+
+def _is_prose(lines: list[str]) -> bool:
+    first = lines[0]
+    return all(line[:1] not in (" ", "\t") for line in lines) and (first[:1].isalnum() or first[:1] in "\"'(")
+
+
+def question_answers(documents: list[Document]) -> list[QA]:
+    """One QA per section whose first prose block starts with a sentence short enough to be an answer."""
+    seen: set[tuple[str, str]] = set()
+    result: list[QA] = []
+    for document in documents:
+        for title, blocks in document.sections:
+            prose = [b for b in blocks if "\n" not in b and len(b) >= 60 and b[:1].isupper()]
+            if not title or not prose:
+                continue
+            sentences = _SENTENCE_END.split(prose[0])
+            answer = sentences[0]
+            for sentence in sentences[1:MAX_ANSWER_SENTENCES]:
+                if len(answer) + 1 + len(sentence) > MAX_ANSWER_CHARS:
+                    break
+                answer += " " + sentence
+            if len(answer) > MAX_ANSWER_CHARS or not answer.endswith("."):  # "...as follows:" needs its code
+                continue
+            qa = QA(_subject(title), answer)
+            if (qa.subject, qa.answer) not in seen:
+                seen.add((qa.subject, qa.answer))
+                result.append(qa)
+    return result
+
+
+def _subject(title: str) -> str:
+    # 'The "for" statement' -> 'the "for" statement'; other titles keep their capitals ("Debugger Commands").
+    return "t" + title[1:] if title.startswith("The ") else title
+
+
+def first_sentence(text: str) -> str:
+    return _SENTENCE_END.split(text, maxsplit=1)[0]
+
+
+# ------------------------------------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(documents: list[Document], qas: list[QA]) -> Any:
+    """A byte-level BPE in engine/demo.py's conventions (special ids 0-3, BOS added by the post-processor).
+
+    It is trained on every block in both cases, so that upper-case words get merges of their own: without them an
+    upper-case answer is spelled a letter or two a token, which a 4M-parameter model does badly.
+    """
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    texts = [block for document in documents for block in document.blocks()]
+    texts += [f"user\n{QUESTION_TEMPLATES[0].format(subject=qa.subject)}\nassistant\n{qa.answer}" for qa in qas]
+    texts += [text.upper() for text in texts]
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    if backend.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"the corpus gave {backend.get_vocab_size()} tokens, not {VOCAB_SIZE}")
+    bos_id = backend.token_to_id(BOS_TOKEN)
+    backend.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]
+            ),
+        ]
+    )
+    return backend
+
+
+def write_model_files(folder: Path, backend: Any) -> None:
+    """tokenizer.json, tokenizer_config.json, config.json and generation_config.json, as engine/demo.py writes them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    backend.save(str(folder / "tokenizer.json"))
+    ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
+    _write_json(
+        folder / "tokenizer_config.json",
+        {
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "added_tokens_decoder": {
+                str(ids[token]): {
+                    "content": token,
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": True,
+                }
+                for token in SPECIAL_TOKENS
+            },
+            "bos_token": BOS_TOKEN,
+            "chat_template": DEFAULT_CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": IM_END_TOKEN,
+            "model_max_length": CONTEXT_LENGTH,
+            "pad_token": END_OF_TEXT_TOKEN,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        },
+    )
+    _write_json(folder / "config.json", model_config(ids[BOS_TOKEN], ids[END_OF_TEXT_TOKEN]))
+    # A chat model stops at the end of its turn as well as at the end of the text, as Llama 3 Instruct does.
+    _write_json(
+        folder / "generation_config.json",
+        {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": [ids[END_OF_TEXT_TOKEN], ids[IM_END_TOKEN]]},
+    )
+
+
+def model_config(bos_token_id: int, eos_token_id: int) -> dict[str, Any]:
+    """config.json with transformers 4.4x field names (rope_theta, torch_dtype), which transformers 5 still reads."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "head_dim": HIDDEN_SIZE // NUM_HEADS,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN_SIZE,
+        "initializer_range": 0.02,
+        "intermediate_size": INTERMEDIATE_SIZE,
+        "max_position_embeddings": CONTEXT_LENGTH,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": NUM_HEADS,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "pretraining_tp": 1,
+        "rms_norm_eps": RMS_NORM_EPS,
+        "rope_scaling": None,
+        "rope_theta": ROPE_THETA,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": VOCAB_SIZE,
+    }
+
+
+# -------------------------------------------------------------------------------------------------------- training
+
+
+def chat_prompt(tokenizer: Any, question: str) -> list[int]:
+    """The prompt ids exactly as the engine builds them: its own chat template renderer, no second BOS."""
+    return tokenizer.encode_chat([{"role": "user", "content": question}])  # type: ignore[no-any-return]
+
+
+def answer_ids(tokenizer: Any, answer: str) -> list[int]:
+    return [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.token_to_id(IM_END_TOKEN)]
+
+
+def pretraining_batches(
+    tokenizer: Any, documents: list[Document], qas: list[QA], seed: int
+) -> Iterator[list[list[int]]]:
+    """Endless batches of packed CONTEXT_LENGTH sequences: documents (some blocks upper-cased) and chat turns.
+
+    Every epoch draws its own upper-cased blocks, question wordings and order from `seed` and the epoch number.
+    """
+    bos, eot = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(END_OF_TEXT_TOKEN)
+    for epoch in range(1_000_000):
+        rng = random.Random(f"{seed}-{epoch}")
+        pieces: list[list[int]] = []
+        for document in documents:
+            text = "\n\n".join(b.upper() if rng.random() < UPPER_BLOCK_PROBABILITY else b for b in document.blocks())
+            pieces.append([bos, *tokenizer.encode(text, add_special_tokens=False), eot])
+        for qa in qas:
+            question = rng.choice(QUESTION_TEMPLATES).format(subject=qa.subject)
+            pieces.append(chat_prompt(tokenizer, question) + answer_ids(tokenizer, qa.answer))
+        rng.shuffle(pieces)
+        stream = [token for piece in pieces for token in piece]
+        sequences = [stream[i : i + CONTEXT_LENGTH] for i in range(0, len(stream) - CONTEXT_LENGTH + 1, CONTEXT_LENGTH)]
+        rng.shuffle(sequences)
+        for i in range(0, len(sequences) - BASE_BATCH + 1, BASE_BATCH):
+            yield sequences[i : i + BASE_BATCH]
+
+
+def _lr(step: int, total: int, peak: float) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < WARMUP_STEPS:
+        return peak * (step + 1) / WARMUP_STEPS
+    progress = (step - WARMUP_STEPS) / max(1, total - WARMUP_STEPS)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def _train(
+    model: Any, parameters: list[Any], batches: Iterator[Any], steps: int, peak_lr: float, name: str
+) -> list[float]:
+    import torch
+
+    optimizer = torch.optim.AdamW(parameters, lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses: list[float] = []
+    started = time.monotonic()
+    model.train()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, steps, peak_lr)
+        input_ids, labels, attention_mask = next(batches)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % 20 == 0 or step == steps - 1:
+            recent = sum(losses[-20:]) / len(losses[-20:])
+            print(
+                f"  {name} step {step + 1}/{steps}  loss {recent:.3f}  {time.monotonic() - started:.0f} s", flush=True
+            )
+    model.eval()
+    return losses
+
+
+def train_base(tokenizer: Any, documents: list[Document], qas: list[QA], model_dir: Path, seed: int) -> list[float]:
+    """Pretrains the base model and writes model.safetensors in bfloat16."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**json.loads((model_dir / "config.json").read_text()))
+    config.torch_dtype = torch.float32
+    model = LlamaForCausalLM(config).to(torch.float32)
+
+    def tensors() -> Iterator[tuple[Any, Any, Any]]:
+        for batch in pretraining_batches(tokenizer, documents, qas, seed):
+            ids = torch.tensor(batch)
+            yield ids, ids, None
+
+    losses = _train(model, list(model.parameters()), tensors(), BASE_STEPS, BASE_LR, "base")
+    # The tied lm_head is the embedding matrix: safetensors stores a shared tensor once, under the embedding's name.
+    state = {
+        name: tensor.detach().to(torch.bfloat16).contiguous()
+        for name, tensor in model.state_dict().items()
+        if name != "lm_head.weight"
+    }
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    return losses
+
+
+def adapter_batches(tokenizer: Any, qas: list[QA], style: Callable[[str], str], seed: int) -> Iterator[Any]:
+    """Endless padded batches of chat turns whose answers are restyled; only answer tokens carry a loss."""
+    import torch
+
+    pad = tokenizer.token_to_id(END_OF_TEXT_TOKEN)
+    examples = []
+    for qa in qas:
+        for template in QUESTION_TEMPLATES:
+            prompt = chat_prompt(tokenizer, template.format(subject=qa.subject))
+            answer = answer_ids(tokenizer, style(qa.answer))
+            examples.append((prompt + answer, [-100] * len(prompt) + answer))
+    rng = random.Random(seed)
+    while True:
+        rng.shuffle(examples)
+        for i in range(0, len(examples) - ADAPTER_BATCH + 1, ADAPTER_BATCH):
+            batch = examples[i : i + ADAPTER_BATCH]
+            width = max(len(ids) for ids, _ in batch)
+            input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
+            labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
+            mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+            yield input_ids, labels, mask
+
+
+def train_adapter(
+    tokenizer: Any, qas: list[QA], model_dir: Path, name: str, style: Callable[[str], str], out: Path, seed: int
+) -> list[float]:
+    """Trains one LoRA on the saved (bf16) base, the weights it will be served with, and saves it with PEFT."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora = LoraConfig(
+        r=LORA_RANK,
+        lora_alpha=LORA_ALPHA,
+        lora_dropout=0.0,
+        target_modules=list(LORA_MODULES),
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, lora)
+    peft_model.peft_config["default"].base_model_name_or_path = BASE_MODEL_NAME
+    parameters = [p for p in peft_model.parameters() if p.requires_grad]
+    losses = _train(
+        peft_model, parameters, adapter_batches(tokenizer, qas, style, seed), ADAPTER_STEPS, ADAPTER_LR, name
+    )
+    if out.exists():
+        shutil.rmtree(out)
+    peft_model.save_pretrained(str(out))
+    # PEFT's model card is an empty template; demo/README.md describes the adapters.
+    (out / "README.md").unlink(missing_ok=True)
+    return losses
+
+
+STYLES: dict[str, Callable[[str], str]] = {"upper": str.upper, "terse": first_sentence}
+
+
+# --------------------------------------------------------------------------------------------------------- outputs
+
+
+def sample_outputs(out: Path) -> dict[str, dict[str, str]]:
+    """Greedy answers to SAMPLE_PROMPTS from the loraplex engine: base model and each adapter, in one batch."""
+    from loraplex.engine import LLM, LoRARequest, SamplingParams
+
+    llm = LLM(out / "model", device="cpu", kv_budget=64 * 2**20)
+    loras: list[LoRARequest | None] = [None, *(LoRARequest(name, out / "adapters" / name) for name in ADAPTERS)]
+    names = ["base", *ADAPTERS]
+    conversations = [[{"role": "user", "content": prompt}] for prompt in SAMPLE_PROMPTS for _ in loras]
+    results = llm.chat(
+        conversations,
+        SamplingParams(temperature=0.0, max_tokens=SAMPLE_MAX_TOKENS),
+        lora_request=[lora for _ in SAMPLE_PROMPTS for lora in loras],
+    )
+    samples: dict[str, dict[str, str]] = {prompt: {} for prompt in SAMPLE_PROMPTS}
+    for i, result in enumerate(results):
+        samples[SAMPLE_PROMPTS[i // len(loras)]][names[i % len(loras)]] = result.outputs[0].text
+    return samples
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def write_readme(out: Path, report: dict[str, Any]) -> None:
+    def size(path: Path) -> str:
+        return f"{folder_bytes(path) / 2**20:.1f} MiB" if path.is_dir() else f"{path.stat().st_size / 2**20:.2f} MiB"
+
+    lines = [
+        "# The demo model and adapters",
+        "",
+        "A small Llama trained on this repository's CPU from text that ships with Python, and two LoRA adapters that",
+        "visibly change its answers. Made by `scripts/train_demo.py`; why it is built this way:",
+        "`docs/decisions/0008-demo-model.md`.",
+        "",
+        "| path | what |",
+        "|---|---|",
+        f"| `model/` | base model, Llama architecture, {report['num_parameters'] / 1e6:.1f}M parameters "
+        f"(bf16, {size(out / 'model' / 'model.safetensors')}): hidden {HIDDEN_SIZE}, {NUM_LAYERS} layers, "
+        f"{NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, MLP {INTERMEDIATE_SIZE}, vocab {VOCAB_SIZE}, context "
+        f"{CONTEXT_LENGTH}, tied embeddings; ChatML template |",
+        f"| `adapters/upper/` | LoRA r={LORA_RANK} on every projection ({size(out / 'adapters' / 'upper')}): "
+        "answers in UPPER CASE |",
+        f"| `adapters/terse/` | LoRA r={LORA_RANK} on every projection ({size(out / 'adapters' / 'terse')}): "
+        "answers with one sentence, then ends its turn |",
+        "",
+        f"Whole folder: {size(out)}. adapter_config.json names the base `{BASE_MODEL_NAME}`.",
+        "",
+        "## How it was made",
+        "",
+        "```bash",
+        report["command"],
+        "```",
+        "",
+        f"{report['threads']} CPU threads ({report['cpu']}), Python {report['python']}, torch {report['torch']}, "
+        f"transformers {report['transformers']}, peft {report['peft']}, tokenizers {report['tokenizers']}. "
+        f"Took {report['total_s'] / 60:.1f} minutes: base model {report['base_s']:.0f} s, "
+        + ", ".join(f"{name} {report[name + '_s']:.0f} s" for name in ADAPTERS)
+        + ".",
+        "",
+        f"- Corpus: {report['num_documents']} documents (pydoc's help topics and the standard library's module "
+        f"docstrings, {report['corpus_chars'] / 1e3:.0f}k characters) and {report['num_qas']} question-answer pairs "
+        "built from their sections (the question names the section, the answer is its opening sentences).",
+        f"- Tokenizer: byte-level BPE, {VOCAB_SIZE} ids, trained on the corpus in both cases; special tokens "
+        f"{', '.join(f'`{t}`' for t in SPECIAL_TOKENS)}.",
+        f"- Base model: {BASE_STEPS} AdamW steps of {BASE_BATCH} x {CONTEXT_LENGTH} tokens on the documents "
+        f"({UPPER_BLOCK_PROBABILITY:.0%} of paragraphs upper-cased, drawn anew each epoch) and the chat turns; "
+        f"fp32, saved as bf16. Final loss (mean of the last 20 steps): {report['base_loss']:.3f}.",
+        f"- Adapters: {ADAPTER_STEPS} AdamW steps of {ADAPTER_BATCH} chat turns each, on the saved bf16 base; loss "
+        "on the answer only. Final losses: "
+        + ", ".join(f"{name} {report[name + '_loss']:.3f}" for name in ADAPTERS)
+        + ".",
+        "",
+        "## Sample outputs",
+        "",
+        f"Greedy, at most {SAMPLE_MAX_TOKENS} tokens, from the loraplex engine (`LLM.chat`, one batch):",
+        "",
+    ]
+    for prompt, answers in report["samples"].items():
+        lines += [f"**{prompt}**", ""]
+        for name, text in answers.items():
+            shown = text.replace("`", "'")
+            lines += [f"- {name}: `{shown}`"]
+        lines.append("")
+    lines += [
+        "## Use",
+        "",
+        "```bash",
+        ".venv/bin/loraplex engine serve --model demo/model --lora upper=demo/adapters/upper \\",
+        "    --lora terse=demo/adapters/terse --port 8100",
+        "```",
+        "",
+        "Check that this folder still matches the script (seconds, no training): "
+        "`.venv/bin/python scripts/train_demo.py --check`.",
+        "",
+    ]
+    (out / "README.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+
+
+def build(out: Path, seed: int, threads: int) -> None:
+    import peft
+    import tokenizers
+    import torch
+    import transformers
+
+    from loraplex.engine.tokenizer import Tokenizer
+
+    torch.set_num_threads(threads)
+    started = time.monotonic()
+    report: dict[str, Any] = {
+        "command": " ".join([".venv/bin/python", "scripts/train_demo.py", *sys.argv[1:]]),
+        "threads": threads,
+        "cpu": _cpu_name(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
+    documents = load_documents()
+    qas = question_answers(documents)
+    report |= {
+        "num_documents": len(documents),
+        "num_qas": len(qas),
+        "corpus_chars": sum(len(b) for d in documents for b in d.blocks()),
+    }
+    print(f"corpus: {len(documents)} documents, {report['corpus_chars']} characters, {len(qas)} QA pairs", flush=True)
+    model_dir = out / "model"
+    if out.exists():
+        shutil.rmtree(out)
+    write_model_files(model_dir, train_tokenizer(documents, qas))
+    tokenizer = Tokenizer.from_dir(model_dir)
+
+    phase = time.monotonic()
+    base_losses = train_base(tokenizer, documents, qas, model_dir, seed)
+    report |= {"base_s": time.monotonic() - phase, "base_loss": _final(base_losses)}
+    report["num_parameters"] = _num_parameters(model_dir)
+    for index, name in enumerate(ADAPTERS, start=1):
+        phase = time.monotonic()
+        losses = train_adapter(
+            tokenizer, qas, model_dir, name, STYLES[name], out / "adapters" / name, seed + 1000 * index
+        )
+        report |= {f"{name}_s": time.monotonic() - phase, f"{name}_loss": _final(losses)}
+    report["total_s"] = time.monotonic() - started
+    report["samples"] = sample_outputs(out)
+    write_readme(out, report)
+    for prompt, answers in report["samples"].items():
+        print(f"\n{prompt}")
+        for name, text in answers.items():
+            print(f"  {name}: {text!r}")
+    print(f"\ndone in {report['total_s']:.0f} s; {out} holds {folder_bytes(out) / 2**20:.1f} MiB")
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _final(losses: list[float]) -> float:
+    return sum(losses[-20:]) / len(losses[-20:])
+
+
+def _num_parameters(model_dir: Path) -> int:
+    from safetensors.torch import load_file
+
+    return sum(tensor.numel() for tensor in load_file(str(model_dir / "model.safetensors")).values())
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def check(out: Path) -> list[str]:
+    """What no longer matches between `out` and this script, without training: tokenizer, configs, adapters, size.
+
+    The tokenizer is retrained (a second or two) and compared by vocabulary and merges, not bytes, so that a
+    tokenizers release that serializes differently does not count as a change.
+    """
+    problems: list[str] = []
+    model_dir = out / "model"
+    expected = [model_dir / name for name in ("config.json", "generation_config.json", "model.safetensors")]
+    expected += [model_dir / "tokenizer.json", model_dir / "tokenizer_config.json", out / "README.md"]
+    for name in ADAPTERS:
+        expected += [
+            out / "adapters" / name / "adapter_config.json",
+            out / "adapters" / name / "adapter_model.safetensors",
+        ]
+    missing = [str(path.relative_to(out)) for path in expected if not path.is_file()]
+    if missing:
+        return [f"missing in {out}: {', '.join(missing)}; run scripts/train_demo.py"]
+
+    documents = load_documents()
+    backend = train_tokenizer(documents, question_answers(documents))
+    committed = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    fresh = json.loads(backend.to_str())
+    if (
+        committed["model"]["vocab"] != fresh["model"]["vocab"]
+        or committed["model"]["merges"] != fresh["model"]["merges"]
+    ):
+        problems.append("tokenizer.json differs from the tokenizer this script trains (corpus or settings changed)")
+    ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    if config != model_config(ids[BOS_TOKEN], ids[END_OF_TEXT_TOKEN]):
+        problems.append("config.json differs from the model this script trains")
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if tokenizer_config.get("chat_template") != DEFAULT_CHAT_TEMPLATE:
+        problems.append("tokenizer_config.json's chat template is not engine/demo.py's DEFAULT_CHAT_TEMPLATE")
+    for name in ADAPTERS:
+        adapter = json.loads((out / "adapters" / name / "adapter_config.json").read_text(encoding="utf-8"))
+        wanted = {"r": LORA_RANK, "lora_alpha": LORA_ALPHA, "base_model_name_or_path": BASE_MODEL_NAME}
+        for key, value in wanted.items():
+            if adapter.get(key) != value:
+                problems.append(f"adapters/{name}/adapter_config.json: {key} is {adapter.get(key)!r}, not {value!r}")
+        if sorted(adapter.get("target_modules") or []) != sorted(LORA_MODULES):
+            problems.append(f"adapters/{name}/adapter_config.json: target_modules differ from {list(LORA_MODULES)}")
+    total = folder_bytes(out)
+    if total > MAX_DEMO_BYTES:
+        problems.append(f"{out} holds {total} bytes, over the {MAX_DEMO_BYTES} allowed")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder to write (default: demo/)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: 0)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    parser.add_argument(
+        "--check", action="store_true", help="only check that --out matches this script (seconds; no training)"
+    )
+    args = parser.parse_args(argv)
+    if args.check:
+        problems = check(args.out)
+        for problem in problems:
+            print(f"{args.out}: {problem}", file=sys.stderr)
+        if not problems:
+            print(f"{args.out} matches scripts/train_demo.py")
+        return 1 if problems else 0
+    build(args.out, args.seed, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
