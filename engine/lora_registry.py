@@ -10,6 +10,9 @@ refers to a digest any more, the engine is asked to drop its weights (at once if
 ends).
 
 Lives on the event loop (no thread touches it). Loads and unloads of one name apply in the order they arrived.
+
+`AdapterRoots` is the other way to name an adapter: a request's own `lora_adapter` (files and digest, given by a
+trusted caller such as the platform), accepted only from the folders and s3:// prefixes the operator allowed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import re
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,10 +37,13 @@ from loraplex.engine.adapter_ref import S3_SCHEME, AdapterRef, LoRARequest
 from loraplex.engine.api_errors import ApiError
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.lora import AdapterError, adapter_digest, parse_adapter
+from loraplex.engine.protocol import MAX_ADAPTER_NAME_CHARS
 
 logger = logging.getLogger(__name__)
 
-MAX_NAME_CHARS: Final = 256
+MAX_NAME_CHARS: Final = MAX_ADAPTER_NAME_CHARS
+LORA_ADAPTER_PARAM: Final = "lora_adapter"
+_BUCKET: Final = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's rules (so never `.` or `..`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +190,94 @@ class LoraRegistry:
         return core.adapters.resolve(name, source, digest=adapter_digest(config_bytes, weights_bytes))
 
 
+class AdapterRoots:
+    """Where a request's `lora_adapter` may be read from: the folders and s3:// prefixes the operator named
+    (--adapter-root). Only a trusted caller (the platform) should be able to put adapters there; with no roots the
+    field is refused, so a client of a bare engine can never make it read a path of its choosing.
+
+    `s3://bucket/tenants` (with or without the trailing slash) admits `s3://bucket/tenants/...` and never
+    `s3://bucket/tenants-x/...`; `s3://bucket` admits the whole bucket. A folder root admits the folders inside it,
+    compared after symlinks are resolved on both sides (a link inside a root that leads out of it is outside), and
+    the resolved folder is what the engine reads. Sources with `.`, `..` or empty segments are refused outright.
+    Immutable once made.
+    """
+
+    def __init__(self, roots: Iterable[str] = ()) -> None:
+        """Raises ValueError for a root that is neither an absolute folder nor s3://bucket[/prefix]."""
+        self._s3: list[tuple[str, str]] = []  # (bucket, key prefix: "" for the whole bucket, else ending in "/")
+        self._folders: list[str] = []  # real paths
+        for root in roots:
+            if root.startswith(S3_SCHEME):
+                try:
+                    bucket, key = _split_s3(root)
+                except ValueError as exc:
+                    raise ValueError(f"adapter root {root!r}: {exc}") from None
+                self._s3.append((bucket, f"{key}/" if key else ""))
+            elif os.path.isabs(root) and _clean_path(root):
+                self._folders.append(os.path.realpath(root))
+            else:
+                raise ValueError(
+                    f"adapter root {root!r} must be an absolute folder (without . or .. parts) or s3://bucket[/prefix]"
+                )
+
+    @property
+    def is_empty(self) -> bool:
+        return not self._s3 and not self._folders
+
+    def check(self, source: str) -> str:
+        """The source the engine should read for a request's `lora_adapter.source` (a folder's resolved path, an
+        s3:// URI as given less a trailing slash). Raises a 403 ApiError when no roots are configured, and a 400
+        one for a source outside every root or not in a form that can be compared with them.
+
+        Resolves symlinks, so it touches the file system (a few stats) on the caller's thread.
+        """
+        if self.is_empty:
+            raise ApiError(
+                403,
+                "This server does not accept `lora_adapter`: no adapter roots are configured (start it with "
+                "--adapter-root). Name an adapter loaded on the server in `model` instead.",
+                code="lora_adapter_not_allowed",
+                param=LORA_ADAPTER_PARAM,
+            )
+        if source.startswith(S3_SCHEME):
+            try:
+                bucket, key = _split_s3(source)
+            except ValueError as exc:
+                raise _outside(f"lora_adapter.source {source!r} is not a valid s3:// URI: {exc}") from None
+            if any(bucket == root_bucket and f"{key}/".startswith(prefix) for root_bucket, prefix in self._s3):
+                return f"{S3_SCHEME}{bucket}/{key}" if key else f"{S3_SCHEME}{bucket}"
+        elif os.path.isabs(source) and _clean_path(source):
+            real = os.path.realpath(source)
+            if any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in self._folders):
+                return real
+        else:
+            raise _outside(
+                f"lora_adapter.source {source!r} must be an absolute folder without . or .. parts, or an s3:// URI"
+            )
+        raise _outside(f"lora_adapter.source {source!r} is not under any of this server's adapter roots")
+
+
+def _outside(message: str) -> ApiError:
+    return ApiError(400, message, code="lora_adapter_source_not_allowed", param=LORA_ADAPTER_PARAM)
+
+
+def _clean_path(path: str) -> bool:
+    """No `.` or `..` parts (so what is compared is what was meant); the empty parts of `//` are harmless."""
+    return not any(part in (".", "..") for part in path.split(os.sep))
+
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    """(bucket, key prefix without a trailing slash) of s3://bucket[/prefix]; ValueError if either is malformed."""
+    bucket, _, key = uri.removeprefix(S3_SCHEME).partition("/")
+    key = key.rstrip("/")
+    if not _BUCKET.fullmatch(bucket):
+        raise ValueError(f"{bucket!r} is not a bucket name")
+    # S3 keys are literal strings, but some servers and proxies normalize `.`, `..` and `//` in URL paths.
+    if key and any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError("its key has an empty, . or .. part")
+    return bucket, key
+
+
 class LoraMetrics:
     """Per-adapter series, added to the server's own Prometheus registry."""
 
@@ -215,4 +311,4 @@ class _LoraCollector(Collector):
         )
 
 
-__all__ = ["LoraMetrics", "LoraModuleError", "LoraRegistry", "RegisteredAdapter"]
+__all__ = ["AdapterRoots", "LoraMetrics", "LoraModuleError", "LoraRegistry", "RegisteredAdapter"]

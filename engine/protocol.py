@@ -2,7 +2,9 @@
 for /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 Requests accept OpenAI's fields plus vLLM's sampling extras (top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
-skip_special_tokens, include_stop_str_in_output); unknown fields are ignored, as both servers do, and listed in
+skip_special_tokens, include_stop_str_in_output) and vLLM's `stream_options.continuous_usage_stats`, and one field of
+our own for a trusted caller (the platform): `lora_adapter`, an adapter named by its files and content digest
+(`LoraAdapterSpec`). Unknown fields are ignored, as both servers do, and listed in
 `model_extra` so the server can log them. Shape errors (a wrong type, a role that does not exist) fail
 validation and name the field; values the engine cannot honour (n > 1, penalties, tools, a JSON response format)
 are refused by `sampling_params()` / `check_supported()` with a `RequestError` naming the field; ranges
@@ -11,6 +13,7 @@ are refused by `sampling_params()` / `check_supported()` with a `RequestError` n
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, cast
 
@@ -21,6 +24,7 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     StrictBool,
     StrictInt,
+    StrictStr,
     field_validator,
     model_serializer,
 )
@@ -31,6 +35,10 @@ from loraplex.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
+
+MAX_ADAPTER_NAME_CHARS = 256
+DIGEST_PREFIX = "sha256:"
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 # Completions' `prompt`: one text, one token-id list, or a batch of either (one choice per prompt).
 Prompt = str | list[int] | list[str] | list[list[int]]
@@ -52,6 +60,49 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: StrictBool | None = False
+    # vLLM's: every chunk carries the usage so far (and the closing usage chunk comes too, as if include_usage),
+    # so a caller relaying chunks knows what it has handed out when its own client goes away.
+    continuous_usage_stats: StrictBool | None = False
+
+
+class LoraAdapterSpec(BaseModel):
+    """`lora_adapter`: run the request with the adapter whose two files (PEFT's save_pretrained folder) are at
+    `source` and hash to `digest` (`adapter_digest`'s "sha256:<64 hex>"). Not OpenAI's: a trusted caller's field.
+
+    The digest is trusted as the adapter's identity (the prefix cache and the pool key on it) and verified when the
+    engine reads the files: content that hashes otherwise fails the request. Which sources are accepted at all is
+    the server's `AdapterRoots`' decision, not this shape's.
+    """
+
+    model_config = ConfigDict(extra="forbid")  # unlike the requests': a misspelt key here must not pass unnoticed
+
+    name: StrictStr  # how logs and metrics call it
+    source: StrictStr  # s3://bucket/prefix, or an absolute folder
+    digest: StrictStr
+
+    @field_validator("name")
+    @classmethod
+    def _name_shape(cls, value: str) -> str:
+        if not value or len(value) > MAX_ADAPTER_NAME_CHARS or not value.isprintable() or value != value.strip():
+            raise ValueError(
+                f"name must be 1 to {MAX_ADAPTER_NAME_CHARS} printable characters, without surrounding spaces"
+            )
+        return value
+
+    @field_validator("source")
+    @classmethod
+    def _source_shape(cls, value: str) -> str:
+        if not value or not value.isprintable():
+            raise ValueError("source must be an s3://bucket/prefix URI or an absolute folder")
+        return value
+
+    @field_validator("digest")
+    @classmethod
+    def _digest_shape(cls, value: str) -> str:
+        digest = value.lower()  # hex digits are case-free; the engine's digests are lower case
+        if not _DIGEST.fullmatch(digest):
+            raise ValueError(f"digest must be {DIGEST_PREFIX!r} followed by 64 hex digits")
+        return digest
 
 
 class ResponseFormat(BaseModel):
@@ -69,6 +120,7 @@ class _SamplingFields(_Request):
     top_p: float | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
+    lora_adapter: LoraAdapterSpec | None = None  # ours (see LoraAdapterSpec); `model` is then the base model
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
     user: str | None = None
@@ -99,7 +151,15 @@ class _SamplingFields(_Request):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+        """A stream ends with a chunk carrying the whole usage (continuous usage implies it)."""
+        options = self.stream_options
+        return bool(self.stream and options is not None and (options.include_usage or options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk of the stream carries the usage so far."""
+        options = self.stream_options
+        return bool(self.stream and options is not None and options.continuous_usage_stats)
 
     def check_supported(self) -> None:
         """Refuse what the engine cannot do rather than silently ignoring it."""

@@ -1,16 +1,19 @@
 """The engine's OpenAI-compatible HTTP server, shaped like vLLM's so its users feel at home.
 
 Routes: POST /v1/completions and /v1/chat/completions (streaming or not; `model` names the base model or a LoRA
-adapter), GET /v1/models (the base model and its adapters), POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-(vLLM's), GET /v1/state (the load the platform's router reads), GET /healthz, GET /metrics (Prometheus). Every error,
-routing and body validation included, answers in OpenAI's envelope `{"error": {message, type, param, code}}`.
+adapter, or a trusted caller names an adapter's files and digest in `lora_adapter`), GET /v1/models (the base model
+and its adapters), POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), GET /v1/state (the load the
+platform's router reads), GET /healthz, GET /metrics (Prometheus). Every error, routing and body validation
+included, answers in OpenAI's envelope `{"error": {message, type, param, code}}`.
 
 This module is the HTTP layer: the exception handler and error envelope, SSE framing, the controllers, and the app.
 What a request means (validation, generation, the response bodies) is `serving`'s `OpenAIServing`.
 
 Ownership: `create_engine_app` serves an engine it does not own (the caller creates and shuts it down); `serve`
-owns one for the life of a uvicorn server. A request is validated before anything is sent, so a bad request is a
-400 even when it asked for a stream; once a stream has begun, an error ends it with an error event and `[DONE]`
+owns one for the life of a uvicorn server. With a `RegistrationConfig` the app's lifespan also registers the engine
+in the fleet's Redis registry (see `registration`) while it serves.
+A request is validated before anything is sent, so a bad request is a 400 even when it asked for a stream; once a
+stream has begun, an error ends it with an error event and `[DONE]`
 (an adapter that fails to load while the request waits for it is such an error: a 400 if the adapter is at fault,
 a 500 if the server is).
 A client that goes away aborts its engine requests, which frees their pages: a stream's generator is closed
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Final
 
 from litestar import Controller, Litestar, Request, Response, get, post
@@ -39,7 +42,7 @@ from loraplex.engine.api_errors import ApiError, ClientDisconnected
 from loraplex.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import EngineError, RequestError
-from loraplex.engine.lora_registry import LoraRegistry
+from loraplex.engine.lora_registry import AdapterRoots, LoraRegistry
 from loraplex.engine.metrics import CONTENT_TYPE
 from loraplex.engine.protocol import (
     ChatCompletionRequest,
@@ -49,6 +52,7 @@ from loraplex.engine.protocol import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from loraplex.engine.registration import FleetRegistration, RegistrationConfig
 from loraplex.engine.serving import Job, OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -157,7 +161,7 @@ async def _server_sent_events(job: Job, chunks: AsyncGenerator[BaseModel, None])
             async for chunk in chunks:
                 yield _sse(chunk)
     except Exception as exc:  # the response has begun: the error can only be told in the stream
-        if not isinstance(exc, EngineError):
+        if not isinstance(exc, EngineError | ApiError):
             logger.exception("%s: the stream failed", job.response_id)
         yield _sse_error(exc)
     yield SSE_DONE
@@ -251,13 +255,38 @@ class OperationsController(Controller):
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def create_engine_app(engine: AsyncEngine, loras: LoraRegistry | None = None) -> Litestar:
+def create_engine_app(
+    engine: AsyncEngine,
+    loras: LoraRegistry | None = None,
+    *,
+    adapter_roots: Sequence[str] = (),
+    registration: RegistrationConfig | None = None,
+) -> Litestar:
     """An app serving `engine`, which the caller owns (creates, and shuts down after the app stops), and the
-    adapters already in `loras` (see `load_lora_modules`); without it, adapters come only from the load route."""
-    serving = OpenAIServing(engine, loras)
+    adapters already in `loras` (see `load_lora_modules`); without it, adapters come only from the load route.
+
+    `adapter_roots`: the folders and s3:// prefixes a request's `lora_adapter` may point into (none: the field is
+    refused). `registration`: register the engine in the fleet while the app runs (its lifespan, so only under an
+    ASGI server that runs lifespans, as uvicorn does); its base-model name is then also accepted as `model`.
+    Raises ValueError for a malformed root.
+    """
+    roots = AdapterRoots(adapter_roots)
+    aliases = [registration.base_model] if registration is not None and registration.base_model else []
+    serving = OpenAIServing(engine, loras, adapter_roots=roots, model_aliases=aliases)
 
     def provide_serving() -> OpenAIServing:
         return serving
+
+    lifespan = []
+    if registration is not None:
+        fleet = FleetRegistration(engine, registration)
+
+        @contextlib.asynccontextmanager
+        async def registered(_: Litestar) -> AsyncIterator[None]:
+            async with fleet.running():
+                yield
+
+        lifespan.append(registered)
 
     return Litestar(
         route_handlers=[OpenAIController, OperationsController],
@@ -265,6 +294,7 @@ def create_engine_app(engine: AsyncEngine, loras: LoraRegistry | None = None) ->
         exception_handlers={Exception: handle_exception},
         openapi_config=OpenAPIConfig(title="loraplex engine", version="1", path="/schema"),
         logging_config=None,  # the process configures logging; Litestar's default would replace its handlers
+        lifespan=lifespan,
     )
 
 
@@ -279,18 +309,27 @@ async def load_lora_modules(engine: AsyncEngine, lora_modules: Sequence[LoRARequ
 
 
 async def serve(
-    config: EngineConfig, host: str = "127.0.0.1", port: int = 8100, lora_modules: Sequence[LoRARequest] = ()
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    lora_modules: Sequence[LoRARequest] = (),
+    *,
+    adapter_roots: Sequence[str] = (),
+    registration: RegistrationConfig | None = None,
 ) -> None:
-    """Load the engine and the adapters named in `lora_modules`, serve them until uvicorn is told to stop
-    (SIGINT/SIGTERM), then shut the engine down.
+    """Load the engine and the adapters named in `lora_modules`, serve them (and, with `registration`, announce
+    them to the fleet) until uvicorn is told to stop (SIGINT/SIGTERM), then shut the engine down.
 
-    Raises CheckpointError / ValueError from loading (LoraModuleError for an adapter) before anything listens.
+    Raises CheckpointError / ValueError from loading (LoraModuleError for an adapter, ValueError for a malformed
+    adapter root) before anything listens.
     """
     import uvicorn
 
+    AdapterRoots(adapter_roots)  # a malformed root fails before the model loads, not after
     engine = await AsyncEngine.create(config)
     try:
-        app = create_engine_app(engine, await load_lora_modules(engine, lora_modules))
+        loras = await load_lora_modules(engine, lora_modules)
+        app = create_engine_app(engine, loras, adapter_roots=adapter_roots, registration=registration)
         server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
         )

@@ -9,6 +9,14 @@ stream's generator aborts its engine requests. HTTP framing (SSE, status codes, 
 
 `model` names the base model or a registered LoRA adapter (`LoraRegistry`); the name is resolved to an
 `AdapterRef` once, when the job is made, so a name re-pointed later never changes a request already accepted.
+A request may instead carry its own adapter (`lora_adapter`: name, source, digest; `model` is then the base
+model): its source must lie under the server's `AdapterRoots`, and its digest is taken as given, to be verified
+when the engine reads the files (a mismatch fails the request with a 400, as any adapter that cannot load does).
+
+With `stream_options.continuous_usage_stats` every chunk carries the usage so far: all prompt tokens, the completion
+tokens handed out in this and earlier chunks (a chunk carries every token generated since the previous one of its
+choice, even those whose text is still held back), and the cached prompt tokens once known. So a caller relaying
+chunks knows exactly what it has handed out if its own client goes away.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -27,9 +35,9 @@ from pydantic import BaseModel
 
 from loraplex.engine.adapter_ref import AdapterRef
 from loraplex.engine.api_errors import ApiError, ClientDisconnected
-from loraplex.engine.async_engine import AsyncEngine, EngineDeadError
+from loraplex.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from loraplex.engine.errors import ContextLengthExceeded
-from loraplex.engine.lora_registry import LoraMetrics, LoraRegistry
+from loraplex.engine.lora_registry import LORA_ADAPTER_PARAM, AdapterRoots, LoraMetrics, LoraRegistry
 from loraplex.engine.metrics import EngineMetrics, RequestRecord
 from loraplex.engine.outputs import PositionLogprobs, RequestOutput
 from loraplex.engine.protocol import (
@@ -46,6 +54,7 @@ from loraplex.engine.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    LoraAdapterSpec,
     ModelCard,
     ModelList,
     Usage,
@@ -77,6 +86,7 @@ class Job:
     arrived: float  # perf_counter() when the HTTP request reached its handler
     model: str  # the name the client asked for (the base model's or an adapter's), echoed in responses
     lora: AdapterRef | None  # None: the base model
+    lora_param: str = "model"  # the request field that named the adapter, for errors about it
 
     def request_id(self, index: int) -> str:
         return self.response_id if len(self.prompts) == 1 else f"{self.response_id}-{index}"
@@ -91,6 +101,7 @@ class _Delta:
     token_ids: list[int]  # the tokens generated since the previous delta
     logprobs: list[PositionLogprobs] | None  # theirs, when asked for
     output: RequestOutput  # the cumulative output (finish_reason, stop_reason)
+    sent: Mapping[int, RequestOutput]  # each choice's output as of its latest delta, this one included (shared)
 
 
 async def _merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
@@ -149,11 +160,13 @@ async def _unless_disconnected(request: Request[Any, Any, Any], work: Awaitable[
         await asyncio.gather(task, watcher, return_exceptions=True)
 
 
-def _usage(job: Job, finals: dict[int, RequestOutput]) -> Usage:
+def _usage(job: Job, outputs: Mapping[int, RequestOutput]) -> Usage:
+    """Usage of the whole job as of one output per choice (the final ones, for the final usage); a choice with no
+    output yet counts its prompt only."""
     return Usage.of(
         num_prompt_tokens=sum(len(p.token_ids) for p in job.prompts),
-        num_completion_tokens=sum(len(out.outputs[0].token_ids) for out in finals.values()),
-        num_cached_tokens=sum(out.num_cached_tokens for out in finals.values()),
+        num_completion_tokens=sum(len(out.outputs[0].token_ids) for out in outputs.values()),
+        num_cached_tokens=sum(out.num_cached_tokens for out in outputs.values()),
     )
 
 
@@ -163,9 +176,20 @@ def _usage(job: Job, finals: dict[int, RequestOutput]) -> Usage:
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncEngine, loras: LoraRegistry | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        loras: LoraRegistry | None = None,
+        *,
+        adapter_roots: AdapterRoots | None = None,
+        model_aliases: Sequence[str] = (),
+    ) -> None:
+        """`adapter_roots`: where a request's `lora_adapter` may point (None or empty: the field is refused);
+        `model_aliases`: other names of the base model in `model` (the name the platform knows it by)."""
         self.engine = engine
         self.model_name = engine.core.served_model_name
+        self.model_aliases = frozenset(model_aliases) - {self.model_name}
+        self.adapter_roots = adapter_roots if adapter_roots is not None else AdapterRoots()
         self.max_model_len = engine.core.max_model_len
         self.created = int(time.time())
         self.loras = loras if loras is not None else LoraRegistry(engine, self.model_name)
@@ -174,12 +198,17 @@ class OpenAIServing:
 
     # validation, before any response byte
 
-    def _check_model(self, model: str | None) -> tuple[str, AdapterRef | None]:
+    def _is_base_model(self, model: str | None) -> bool:
+        return model is None or model == self.model_name or model in self.model_aliases
+
+    def _check_model(self, model: str | None, adapter: LoraAdapterSpec | None) -> tuple[str, AdapterRef | None]:
         """The name to echo and the adapter to run (None: the base model)."""
         if not self.engine.is_healthy:
             raise EngineDeadError("the engine has failed; restart it")
-        if model is None or model == self.model_name:
-            return self.model_name, None
+        if adapter is not None:
+            return self._check_lora_adapter(model, adapter)
+        if model is None or self._is_base_model(model):
+            return model or self.model_name, None
         lora = self.loras.get(model)
         if lora is None:
             raise ApiError(
@@ -191,6 +220,18 @@ class OpenAIServing:
             )
         return model, lora
 
+    def _check_lora_adapter(self, model: str | None, adapter: LoraAdapterSpec) -> tuple[str, AdapterRef]:
+        # Roots first: a client that may not use the field learns that, not how to shape it.
+        source = self.adapter_roots.check(adapter.source)
+        if not self._is_base_model(model):
+            raise ApiError(
+                400,
+                f"With `lora_adapter`, `model` must name the base model `{self.model_name}`, not `{model}`.",
+                code="invalid_value",
+                param="model",
+            )
+        return model or self.model_name, AdapterRef(name=adapter.name, source=source, digest=adapter.digest)
+
     def _check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
         try:
             self.engine.core.check_request(token_ids, params)
@@ -198,13 +239,27 @@ class OpenAIServing:
             exc.param = param
             raise
 
-    def _log_unknown(self, request_id: str, fields: list[str]) -> None:
-        if fields:
-            logger.warning("%s: ignoring unknown fields %s", request_id, ", ".join(fields))
+    def _job(
+        self,
+        kind: str,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompts: list[_Prompt],
+        params: SamplingParams,
+        arrived: float,
+        model: str,
+        lora: AdapterRef | None,
+    ) -> Job:
+        lora_param = LORA_ADAPTER_PARAM if body.lora_adapter is not None else "model"
+        job = Job(
+            f"{kind}-{secrets.token_hex(16)}", int(time.time()), prompts, params, arrived, model, lora, lora_param
+        )
+        if body.unknown_fields:
+            logger.warning("%s: ignoring unknown fields %s", job.response_id, ", ".join(body.unknown_fields))
+        return job
 
     def completion_job(self, body: CompletionRequest) -> Job:
         arrived = time.perf_counter()
-        model, lora = self._check_model(body.model)
+        model, lora = self._check_model(body.model, body.lora_adapter)
         params = body.sampling_params()
         tokenizer = self.engine.core.tokenizer
         prompts: list[_Prompt] = []
@@ -215,22 +270,18 @@ class OpenAIServing:
                 text = tokenizer.decode(prompt, skip_special_tokens=False) if body.echo else None
                 prompts.append(_Prompt(list(prompt), text))
             self._check_prompt(prompts[-1].token_ids, params, "prompt")
-        job = Job(f"cmpl-{secrets.token_hex(16)}", int(time.time()), prompts, params, arrived, model, lora)
-        self._log_unknown(job.response_id, body.unknown_fields)
-        return job
+        return self._job("cmpl", body, prompts, params, arrived, model, lora)
 
     def chat_job(self, body: ChatCompletionRequest) -> Job:
         arrived = time.perf_counter()
-        model, lora = self._check_model(body.model)
+        model, lora = self._check_model(body.model, body.lora_adapter)
         params = body.sampling_params()
         tokenizer = self.engine.core.tokenizer
         text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt)
         # The rendered template carries its own special tokens (BOS included): adding them again would double them.
         prompt = _Prompt(tokenizer.encode(text, add_special_tokens=False), text)
         self._check_prompt(prompt.token_ids, params, "messages")
-        job = Job(f"chatcmpl-{secrets.token_hex(16)}", int(time.time()), [prompt], params, arrived, model, lora)
-        self._log_unknown(job.response_id, body.unknown_fields)
-        return job
+        return self._job("chatcmpl", body, [prompt], params, arrived, model, lora)
 
     # generation
 
@@ -250,6 +301,11 @@ class OpenAIServing:
                         first_token_at = time.perf_counter()
                     last = output
                     yield output
+        except RequestFailed as exc:
+            failed = True
+            if exc.is_client_error:  # the adapter's fault: name the field that chose it
+                raise ApiError(400, str(exc), code="lora_adapter_load_failed", param=job.lora_param) from exc
+            raise
         except Exception:
             failed = True
             raise
@@ -269,11 +325,11 @@ class OpenAIServing:
             )
             self.metrics.record(record)
             if job.lora is not None:
-                self.lora_metrics.record(job.model, finish_reason)
+                self.lora_metrics.record(job.lora.name, finish_reason)
             logger.info(
                 "%s: %s, %d prompt tokens (%d cached), %d generated, finish %s, first token %s, %.3f s",
                 request_id,
-                job.model,
+                job.model if job.lora is None or job.lora.name == job.model else f"{job.model} + {job.lora}",
                 record.num_prompt_tokens,
                 record.num_cached_tokens,
                 record.num_generated_tokens,
@@ -297,6 +353,7 @@ class OpenAIServing:
         character) are folded into the next one, so no chunk is empty but the finishing one."""
         num_chars = [0] * len(job.prompts)
         num_tokens = [0] * len(job.prompts)
+        sent: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(self._outputs(job)) as outputs:
             async for index, output in outputs:
                 completion = output.outputs[0]
@@ -307,7 +364,8 @@ class OpenAIServing:
                 logprobs = completion.logprobs[start:] if completion.logprobs is not None else None
                 num_chars[index] = len(completion.text)
                 num_tokens[index] = len(completion.token_ids)
-                yield _Delta(index, text, completion.token_ids[start:], logprobs, output)
+                sent[index] = output
+                yield _Delta(index, text, completion.token_ids[start:], logprobs, output, sent)
 
     # completions
 
@@ -339,9 +397,12 @@ class OpenAIServing:
                 id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
             )
 
+        continuous = body.continuous_usage
         if body.echo:
             for index, prompt in enumerate(job.prompts):
-                yield chunk([CompletionChoice(index=index, text=prompt.text or "")])
+                yield chunk(
+                    [CompletionChoice(index=index, text=prompt.text or "")], _usage(job, {}) if continuous else None
+                )
         text_offsets = [0] * len(job.prompts)
         finals: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(self._deltas(job)) as deltas:
@@ -361,7 +422,7 @@ class OpenAIServing:
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-                yield chunk([choice])
+                yield chunk([choice], _usage(job, delta.sent) if continuous else None)
         if body.include_usage:
             yield chunk([], _usage(job, finals))
 
@@ -392,7 +453,9 @@ class OpenAIServing:
                 id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
             )
 
-        yield chunk([ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
+        continuous = body.continuous_usage
+        role = ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
+        yield chunk([role], _usage(job, {}) if continuous else None)
         finals: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(self._deltas(job)) as deltas:
             async for delta in deltas:
@@ -409,7 +472,7 @@ class OpenAIServing:
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-                yield chunk([choice])
+                yield chunk([choice], _usage(job, delta.sent) if continuous else None)
         if body.include_usage:
             yield chunk([], _usage(job, finals))
 

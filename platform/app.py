@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -19,10 +21,14 @@ from loraplex.platform.dependencies import (
     require_admin,
     require_tenant,
 )
+from loraplex.platform.domain.adapters.controllers import adapter_controller
 from loraplex.platform.domain.api_keys.controllers import AdminApiKeyController, TenantApiKeyController
 from loraplex.platform.domain.base_models.controllers import AdminBaseModelController
+from loraplex.platform.domain.completions.controllers import CompletionsController
 from loraplex.platform.domain.endpoints.controllers import EndpointController
+from loraplex.platform.domain.fleet.controllers import AdminEngineController
 from loraplex.platform.domain.tenants.controllers import AdminTenantController, TenantSelfController
+from loraplex.platform.domain.usage.controllers import UsageController
 from loraplex.platform.errors import handle_exception
 from loraplex.platform.health import HealthController
 from loraplex.platform.resources import Resources
@@ -43,21 +49,33 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
     async def lifespan(app: Litestar) -> AsyncGenerator[None, None]:
         resources = await Resources.open(settings, check_migrations=check_migrations)
         app.state.resources = resources
+        drainer = asyncio.create_task(resources.usage.run_drainer(settings.usage_drain_interval_s))
         try:
             yield
         finally:
+            drainer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await drainer
+            await resources.usage.close()
             await resources.close()
 
     v1 = Router(
         path="/v1",
-        route_handlers=[TenantSelfController, TenantApiKeyController, EndpointController],
+        route_handlers=[
+            TenantSelfController,
+            TenantApiKeyController,
+            EndpointController,
+            UsageController,
+            adapter_controller(settings),
+            CompletionsController,
+        ],
         guards=[require_tenant],
         dependencies={"principal": Provide(provide_principal)},
         security=[{"ApiKey": []}],
     )
     admin = Router(
         path="/admin",
-        route_handlers=[AdminTenantController, AdminApiKeyController, AdminBaseModelController],
+        route_handlers=[AdminTenantController, AdminApiKeyController, AdminBaseModelController, AdminEngineController],
         guards=[require_admin],
         dependencies={"admin": Provide(provide_admin)},
         security=[{"AdminToken": []}],

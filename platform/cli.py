@@ -218,6 +218,34 @@ def engine() -> None:
     help="Distinct adapters in one step.",
 )
 @click.option("--s3-endpoint-url", default=None, help="S3 endpoint for s3:// adapters (MinIO, SeaweedFS, AWS).")
+@click.option(
+    "--adapter-root",
+    "adapter_roots",
+    multiple=True,
+    metavar="FOLDER|s3://BUCKET/PREFIX",
+    help="Accept a request's own adapter (the `lora_adapter` field: name, source, digest) from under this folder or "
+    "S3 prefix. Repeatable; without it the field is refused. Name only places a trusted caller (the platform) "
+    "writes to: any client that reaches this server can make it read adapters there.",
+)
+@click.option("--redis-url", default=None, help="Register this engine in the fleet's Redis registry (redis://...).")
+@click.option(
+    "--redis-prefix",
+    default="loraplex:",
+    show_default=True,
+    help="Prefix of the registry's keys (the platform's Redis key prefix).",
+)
+@click.option("--engine-id", default=None, help="This engine's id in the registry (default: hostname:port).")
+@click.option(
+    "--public-url",
+    default=None,
+    help="The URL the platform calls this engine at (default: http://host:port, the hostname for 0.0.0.0).",
+)
+@click.option(
+    "--base-model-name",
+    default=None,
+    help="The platform's name of the base model, for the registry; also accepted as `model` (default: the served "
+    "model name).",
+)
 def engine_serve(
     model_path: Path,
     host: str,
@@ -238,16 +266,24 @@ def engine_serve(
     max_lora_rank: int,
     max_adapters_per_batch: int,
     s3_endpoint_url: str | None,
+    adapter_roots: tuple[str, ...],
+    redis_url: str | None,
+    redis_prefix: str,
+    engine_id: str | None,
+    public_url: str | None,
+    base_model_name: str | None,
 ) -> None:
     """Serve one model and its LoRA adapters over OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions,
-    /v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
+    /v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter); with --redis-url, register it in the fleet."""
     from dataclasses import fields
 
     import torch
 
-    from loraplex.engine.adapter_ref import LoRARequest
+    from loraplex.engine.adapter_ref import S3_SCHEME, LoRARequest
     from loraplex.engine.config import EngineConfig
     from loraplex.engine.errors import CheckpointError
+    from loraplex.engine.lora_registry import AdapterRoots
+    from loraplex.engine.registration import RegistrationConfig, default_engine_id, default_public_url
     from loraplex.engine.server import serve
     from loraplex.platform.settings import parse_memory_budget
 
@@ -272,6 +308,33 @@ def engine_serve(
             raise click.BadParameter(f"{device!r} is not a torch device", param_hint="--device") from None
         if resolved.type == "cuda" and not torch.cuda.is_available():
             raise click.BadParameter("CUDA is not available on this machine", param_hint="--device")
+    # A relative folder means the one it names now, not wherever the server's working directory is later.
+    roots = [root if root.startswith(S3_SCHEME) else str(Path(root).absolute()) for root in adapter_roots]
+    try:
+        AdapterRoots(roots)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--adapter-root") from None
+    registration = None
+    fleet_options = {"--engine-id": engine_id, "--public-url": public_url, "--base-model-name": base_model_name}
+    if redis_url is None:
+        if given := [option for option, value in fleet_options.items() if value is not None]:
+            raise click.UsageError(f"{', '.join(given)} only matter with --redis-url")
+    else:
+        if port == 0 and (engine_id is None or public_url is None):
+            raise click.UsageError("with --port 0 and --redis-url, give --engine-id and --public-url")
+        try:
+            registration = RegistrationConfig(
+                redis_url=redis_url,
+                engine_id=engine_id or default_engine_id(port),
+                url=public_url or default_public_url(host, port),
+                base_model=base_model_name,
+                prefix=redis_prefix,
+            )
+        except ValueError as exc:
+            # RegistrationConfig's messages start with the field's name: point at the option that set it.
+            field_options = {"redis_url": "--redis-url", "engine_id": "--engine-id", "url": "--public-url"}
+            option = next((o for f, o in field_options.items() if str(exc).startswith(f)), "--base-model-name")
+            raise click.BadParameter(str(exc), param_hint=option) from None
     try:
         config = EngineConfig(
             model=model_path,
@@ -299,7 +362,9 @@ def engine_serve(
 
     _configure_logging()
     try:
-        asyncio.run(serve(config, host=host, port=port, lora_modules=loras))
+        asyncio.run(
+            serve(config, host=host, port=port, lora_modules=loras, adapter_roots=roots, registration=registration)
+        )
     except (CheckpointError, ValueError) as exc:
         # A bad model folder, a context or budget the model and memory cannot honour, or an adapter that cannot be
         # served (LoraModuleError names it): the message says which.
@@ -383,7 +448,7 @@ def admin_create_tenant(name: str) -> None:
         raise click.ClickException(f"invalid tenant name: {exc}") from None
 
     async def create() -> str:
-        resources = await Resources.open(settings)
+        resources = await Resources.open(settings, with_engines=False)
         try:
             async with resources.sessions() as session:
                 tenant = await TenantService(session).create(valid_name)
@@ -408,7 +473,7 @@ def admin_create_key(tenant_id: uuid.UUID | None, name: str | None) -> None:
     settings = _settings()
 
     async def create() -> str:
-        resources = await Resources.open(settings)
+        resources = await Resources.open(settings, with_engines=False)
         try:
             async with resources.sessions() as session:
                 service = ApiKeyService(session, resources.hasher)

@@ -13,13 +13,20 @@ from pathlib import Path
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from loraplex.engine.async_engine import AsyncEngine as EngineRuntime
 from loraplex.platform.auth import Authenticator
 from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.db.migrate import ensure_at_head
 from loraplex.platform.domain.api_keys.keys import KeyHasher
+from loraplex.platform.domain.base_models.models import BaseModel
+from loraplex.platform.domain.base_models.repository import BaseModelRepository
 from loraplex.platform.domain.base_models.service import ModelConfigs
-from loraplex.platform.kv import KeyValueStore, open_kv_store
+from loraplex.platform.domain.fleet.embedded import start_embedded_fleet
+from loraplex.platform.domain.fleet.registry import EmptyFleet, Fleet, RedisFleet, Router
+from loraplex.platform.domain.usage.recorder import UsageRecorder, open_usage_recorder
+from loraplex.platform.kv import KeyValueStore, RedisStore, open_kv_store
 from loraplex.platform.objectstore import ObjectStore, open_object_store
+from loraplex.platform.ratelimit import RateLimiter, open_rate_limiter
 from loraplex.platform.settings import Settings, SettingsError
 
 logger = logging.getLogger(__name__)
@@ -68,9 +75,14 @@ class Resources:
     hasher: KeyHasher
     authenticator: Authenticator
     model_configs: ModelConfigs
+    rate_limiter: RateLimiter
+    usage: UsageRecorder
+    fleet: Fleet
+    router: Router
+    embedded_engine: EngineRuntime | None = None
 
     @classmethod
-    async def open(cls, settings: Settings, *, check_migrations: bool = True) -> Resources:
+    async def open(cls, settings: Settings, *, check_migrations: bool = True, with_engines: bool = True) -> Resources:
         """Open every connection; raise (after closing what was opened) if any dependency is unusable."""
         hasher = KeyHasher(resolve_secret_key(settings))
         settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -92,6 +104,13 @@ class Resources:
             await db_engine.dispose()
             raise
         sessions = create_session_factory(db_engine)
+        try:
+            fleet, embedded = await _open_fleet(settings, kv, sessions) if with_engines else (EmptyFleet(), None)
+        except BaseException:
+            await objects.close()
+            await kv.close()
+            await db_engine.dispose()
+            raise
         admin_token = settings.admin_token.get_secret_value() if settings.admin_token is not None else None
         authenticator = Authenticator(
             sessions, kv, hasher, admin_token=admin_token, cache_ttl_s=settings.key_cache_ttl_s
@@ -105,11 +124,38 @@ class Resources:
             hasher=hasher,
             authenticator=authenticator,
             model_configs=ModelConfigs(settings),
+            rate_limiter=open_rate_limiter(kv, settings),
+            usage=open_usage_recorder(sessions, kv),
+            fleet=fleet,
+            router=Router(fleet, kv),
+            embedded_engine=embedded,
         )
 
     async def close(self) -> None:
         try:
+            await self.fleet.close()
+            if self.embedded_engine is not None:
+                await self.embedded_engine.shutdown()
             await self.objects.close()
             await self.kv.close()
         finally:
             await self.db_engine.dispose()
+
+
+async def _open_fleet(
+    settings: Settings, kv: KeyValueStore, sessions: async_sessionmaker[AsyncSession]
+) -> tuple[Fleet, EngineRuntime | None]:
+    """The engines completions go to: the in-process one (embedded), the Redis registry (fleet), or none."""
+    if settings.engine_mode == "off":
+        return EmptyFleet(), None
+    if settings.engine_mode == "fleet":
+        if not isinstance(kv, RedisStore):
+            raise SettingsError("invalid settings: LORAPLEX_ENGINE_MODE=fleet needs LORAPLEX_REDIS_URL (the registry)")
+        return RedisFleet(kv), None
+    fleet, engine, name, path = await start_embedded_fleet(settings)
+    async with sessions() as session:
+        # The embedded engine's model is a base model like any other, registered on first start.
+        if await BaseModelRepository(session).get_by_name(name) is None:
+            await BaseModelRepository(session).add(BaseModel(name=name, source=str(path)))
+            await session.commit()
+    return fleet, engine

@@ -73,6 +73,15 @@ class Settings(BaseSettings):
         default=16 * 1024 * 1024, ge=5 * 1024 * 1024, description="Part size for multipart uploads (bytes)."
     )
 
+    max_adapter_upload_bytes: int = Field(
+        default=512 * 1024 * 1024,
+        ge=1024,
+        description="Largest adapter upload request body (bytes); also caps what an uploaded archive unpacks to.",
+    )
+    max_lora_rank: int = Field(
+        default=128, ge=1, le=4096, description="Highest LoRA rank an uploaded adapter may have in any module."
+    )
+
     admin_token: SecretStr | None = Field(
         default=None,
         description="Bootstrap admin bearer token; `loraplex dev` generates one when unset.",
@@ -84,6 +93,27 @@ class Settings(BaseSettings):
     )
     key_cache_ttl_s: float = Field(
         default=300.0, gt=0, le=86400, description="How long an API key lookup stays cached in Redis."
+    )
+
+    default_requests_per_minute: int = Field(
+        default=600, ge=1, description="Requests per minute of a tenant whose own limit an admin has not set."
+    )
+    default_tokens_per_minute: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="Tokens per minute (prompt + max_tokens, estimated at admission) of a tenant without its own "
+        "limit.",
+    )
+    ratelimit_failure_policy: Literal["open", "closed"] = Field(
+        default="open",
+        description="When Redis does not answer the rate limiter: open admits the request (and logs it), "
+        "closed refuses it with 503.",
+    )
+    usage_drain_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="How often usage that could not be written to the database is moved from the outbox into it.",
     )
 
     engine_mode: Literal["embedded", "fleet", "off"] = Field(

@@ -84,3 +84,11 @@ def make_tenant(client: AsyncTestClient[Litestar], admin_headers: dict[str, str]
         return tenant, response.json()["key"]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_base_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random Llama checkpoint (2 layers, hidden 64, GQA) to register as a base model; made once."""
+    from _support.checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-base"), "llama-gqa")

@@ -68,7 +68,7 @@ def test_bootstrap_on_sqlite(env: dict[str, str]) -> None:
     assert admin_key.startswith("lpxadm_")
 
     # The keys work against an app on the same data dir (embedded mode: SQLite, in-process cache, local store).
-    settings = load_settings(data_dir=Path(env["LORAPLEX_DATA_DIR"]))
+    settings = load_settings(data_dir=Path(env["LORAPLEX_DATA_DIR"]), engine_mode="off")
     with TestClient(app=create_app(settings)) as client:
         me = client.get("/v1/me", headers={"Authorization": f"Bearer {tenant_key}"})
         assert me.status_code == 200

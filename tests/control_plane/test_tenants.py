@@ -19,7 +19,7 @@ class TestCreate:
         response = await client.post("/admin/tenants", json={"name": "  acme  "}, headers=admin_headers)
         assert response.status_code == 201
         tenant = response.json()
-        assert set(tenant) == {"id", "name", "status", "created_at"}
+        assert set(tenant) == {"id", "name", "status", "created_at", "limits"}
         assert tenant["name"] == "acme"
         assert tenant["status"] == "active"
         fetched = await client.get(f"/admin/tenants/{tenant['id']}", headers=admin_headers)

@@ -22,8 +22,13 @@ class AdapterRepository:
         )
         return found
 
-    async def list_for_tenant(self, tenant_id: TenantId, *, limit: int, after: uuid.UUID | None) -> Page[Adapter]:
+    async def list_for_tenant(
+        self, tenant_id: TenantId, *, limit: int, after: uuid.UUID | None, name: str | None = None
+    ) -> Page[Adapter]:
+        """Newest first; with `name`, only that adapter's versions."""
         query = select(Adapter).where(Adapter.tenant_id == tenant_id)
+        if name is not None:
+            query = query.where(Adapter.name == name)
         return await fetch_page(self._session, Adapter, query, limit=limit, after=after)
 
     async def latest_version(self, name: str, tenant_id: TenantId) -> int:

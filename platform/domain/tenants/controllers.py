@@ -38,11 +38,16 @@ class AdminTenantController(Controller):
     async def get(self, tenant_id: FromPath[uuid.UUID], db: DbSession) -> TenantOut:
         return TenantOut.of(await TenantService(db).get(TenantId(tenant_id)))
 
-    @patch("/{tenant_id:uuid}", summary="Rename, suspend or reactivate a tenant")
+    @patch("/{tenant_id:uuid}", summary="Rename, suspend or reactivate a tenant, or set its rate limits")
     async def update(
         self, tenant_id: FromPath[uuid.UUID], data: JSONBody[TenantPatch], db: DbSession, resources: AppResources
     ) -> TenantOut:
-        result = await TenantService(db).update(TenantId(tenant_id), name=data.name, status=data.status)
+        result = await TenantService(db).update(
+            TenantId(tenant_id),
+            name=data.name,
+            status=data.status,
+            limits=data.limits.changes() if data.limits is not None else None,
+        )
         await db.commit()
         if result.status_changed:
             # After the commit: every replica's next request sees the new status.

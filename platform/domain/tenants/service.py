@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sqlalchemy.exc import IntegrityError
@@ -10,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from loraplex.platform.db.pagination import Page
 from loraplex.platform.domain.tenants.models import Tenant, TenantStatus
 from loraplex.platform.domain.tenants.repository import TenantRepository
+from loraplex.platform.domain.tenants.schemas import LIMIT_FIELDS
 from loraplex.platform.errors import conflict, not_found
 from loraplex.platform.ids import TenantId
 
@@ -44,8 +46,18 @@ class TenantService:
         return await self._tenants.list(limit=limit, after=after)
 
     async def update(
-        self, tenant_id: TenantId, *, name: str | None = None, status: TenantStatus | None = None
+        self,
+        tenant_id: TenantId,
+        *,
+        name: str | None = None,
+        status: TenantStatus | None = None,
+        limits: Mapping[str, int | None] | None = None,
     ) -> TenantUpdate:
+        """Change what is given; `limits` maps rate limit columns (schemas.LIMIT_FIELDS) to a value or None (the
+        default)."""
+        unknown = set(limits or {}) - set(LIMIT_FIELDS)
+        if unknown:
+            raise ValueError(f"not rate limits of a tenant: {sorted(unknown)}")
         tenant = await self.get(tenant_id)
         if name is not None and name != tenant.name:
             if await self._tenants.get_by_name(name) is not None:
@@ -54,6 +66,8 @@ class TenantService:
         status_changed = status is not None and status.value != tenant.status
         if status is not None:
             tenant.status = status.value
+        for column, value in (limits or {}).items():
+            setattr(tenant, column, value)
         try:
             async with self._session.begin_nested():
                 await self._session.flush()

@@ -1,0 +1,244 @@
+"""Adapter logic: an upload is read (upload.py), validated by the engine's own parse_adapter against its base
+model, stored in the object store, and recorded as the next version of its name. Stateless; never commits.
+
+Nothing half-written: validation happens before anything is stored; `create` deletes the objects it stored if it
+fails after storing them; a caller whose commit fails afterwards calls `delete_objects`. Objects live under
+`tenants/{tenant_id}/adapters/{adapter_id}/` (adapter_config.json, adapter_model.safetensors): keyed by the
+adapter's id, not its name and version, so nothing is ever overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple
+
+import anyio
+import anyio.to_thread
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterError, LoraAdapter, parse_adapter
+from loraplex.platform.db.pagination import Page
+from loraplex.platform.domain.adapters.models import Adapter, AdapterStatus
+from loraplex.platform.domain.adapters.repository import AdapterRepository
+from loraplex.platform.domain.adapters.schemas import AdapterOut, AdapterUploadFields
+from loraplex.platform.domain.adapters.upload import (
+    AdapterFiles,
+    UploadedFile,
+    UploadLimits,
+    UploadTooLarge,
+    read_upload,
+)
+from loraplex.platform.domain.base_models.models import BaseModel
+from loraplex.platform.domain.base_models.repository import BaseModelRepository
+from loraplex.platform.domain.endpoints.repository import EndpointRepository
+from loraplex.platform.errors import ApiError, conflict, invalid_request, not_found
+from loraplex.platform.ids import TenantId
+from loraplex.platform.objectstore import LocalObjectStore, ObjectStoreError, S3ObjectStore
+from loraplex.platform.resources import Resources
+
+logger = logging.getLogger(__name__)
+
+# Concurrent uploads under one name race for the next version; the unique constraint picks a winner and the
+# others try the version after it.
+_MAX_VERSION_ATTEMPTS = 5
+_CONTENT_TYPES = {CONFIG_FILE: "application/json", WEIGHTS_FILE: "application/octet-stream"}
+
+
+class AdapterLocation(NamedTuple):
+    """Where an engine loads a ready adapter from, and its content digest (what an engine AdapterRef carries)."""
+
+    uri: str  # s3://{bucket}/tenants/{tenant_id}/adapters/{adapter_id}, or that folder's absolute local path
+    digest: str  # "sha256:<hex>" over both files (engine.lora.adapter_digest)
+
+
+def adapter_prefix(tenant_id: uuid.UUID, adapter_id: uuid.UUID) -> str:
+    """The object key prefix (ending in "/") of one adapter's files."""
+    return f"tenants/{tenant_id}/adapters/{adapter_id}/"
+
+
+def ready_adapter_ref(resources: Resources, adapter: Adapter) -> AdapterLocation:
+    """Where an engine loads `adapter` from (its folder, holding adapter_config.json and
+    adapter_model.safetensors as `loraplex.engine.lora.read_adapter_dir` reads them) and its content digest.
+
+    With the S3 object store the folder is `s3://{bucket}/tenants/{tenant_id}/adapters/{adapter_id}`; with the
+    local one (embedded mode) it is that folder's absolute path on this machine. No I/O. Raises a 400 ApiError
+    (code adapter_not_ready) unless the adapter is ready. Also `AdapterService.ready_adapter_ref(adapter)`.
+    """
+    if adapter.status != AdapterStatus.READY.value or adapter.digest is None:
+        raise invalid_request(
+            f"Adapter '{adapter.name}' v{adapter.version} is not ready (status {adapter.status}).",
+            code="adapter_not_ready",
+        )
+    folder = adapter_prefix(adapter.tenant_id, adapter.id).rstrip("/")
+    objects = resources.objects
+    if isinstance(objects, S3ObjectStore):
+        return AdapterLocation(f"s3://{objects.config.bucket}/{folder}", adapter.digest)
+    if isinstance(objects, LocalObjectStore):
+        return AdapterLocation(str(Path(objects.root, folder).resolve()), adapter.digest)
+    raise TypeError(f"no adapter location for an object store of type {type(objects).__name__}")
+
+
+class AdapterService:
+    def __init__(self, session: AsyncSession, resources: Resources) -> None:
+        self._session = session
+        self._adapters = AdapterRepository(session)
+        self._endpoints = EndpointRepository(session)
+        self._base_models = BaseModelRepository(session)
+        self._resources = resources
+
+    async def create(self, tenant_id: TenantId, fields: AdapterUploadFields, parts: Sequence[UploadedFile]) -> Adapter:
+        """Validate an upload, store its files and add its row (flushed, not committed); the new version's row.
+
+        Every AdapterError (from reading the upload or from parse_adapter) becomes a 400 whose message is the
+        error's and whose param is its field; an archive that unpacks past the limits is a 413. On any failure
+        after the files were stored, they are deleted again.
+        """
+        base = await self._base_models.get_by_name(fields.base_model)
+        if base is None:
+            raise invalid_request(f"No base model named '{fields.base_model}'.", param="base_model")
+        files, parsed = await self._validate(parts, base)
+
+        adapter_id = uuid.uuid4()
+        keys = [adapter_prefix(tenant_id, adapter_id) + name for name in (CONFIG_FILE, WEIGHTS_FILE)]
+        await self._store(keys, files)
+        try:
+            adapter = await self._add_next_version(
+                Adapter(
+                    id=adapter_id,
+                    tenant_id=tenant_id,
+                    name=fields.name,
+                    base_model_id=base.id,
+                    status=AdapterStatus.READY.value,
+                    digest=parsed.digest,
+                    rank=parsed.max_rank,
+                    size_bytes=len(files.weights),
+                )
+            )
+        except BaseException:
+            await self._delete_keys(keys)
+            raise
+        logger.info(
+            "adapter %s (%s v%d, rank %d, %d bytes) stored for tenant %s",
+            adapter.id,
+            adapter.name,
+            adapter.version,
+            parsed.max_rank,
+            len(files.weights),
+            tenant_id,
+        )
+        return adapter
+
+    async def get(self, adapter_id: uuid.UUID, tenant_id: TenantId) -> Adapter:
+        adapter = await self._adapters.get_readable_by_id(adapter_id, tenant_id)
+        if adapter is None:
+            raise not_found("adapter", adapter_id)
+        return adapter
+
+    async def list(
+        self, tenant_id: TenantId, *, limit: int, after: uuid.UUID | None, name: str | None = None
+    ) -> Page[Adapter]:
+        return await self._adapters.list_for_tenant(tenant_id, limit=limit, after=after, name=name)
+
+    async def delete(self, adapter_id: uuid.UUID, tenant_id: TenantId) -> Adapter:
+        """Remove the row (flushed, not committed), refusing while an endpoint uses the adapter.
+
+        The objects stay until the caller has committed and calls `delete_objects`: deleting them first would
+        leave a row without files if the commit failed.
+        """
+        adapter = await self.get(adapter_id, tenant_id)
+        in_use = f"Adapter '{adapter.name}' v{adapter.version} is used by an endpoint; delete the endpoint first."
+        if await self._endpoints.count_using_adapter(adapter.id, tenant_id) > 0:
+            raise conflict(in_use)
+        try:
+            async with self._session.begin_nested():
+                await self._adapters.delete(adapter)
+        except IntegrityError:  # an endpoint took it between the count and the delete (the FK is RESTRICT)
+            raise conflict(in_use) from None
+        return adapter
+
+    async def delete_objects(self, tenant_id: uuid.UUID, adapter_id: uuid.UUID) -> None:
+        """Delete every object under the adapter's prefix; failures are logged (they leave garbage, not errors).
+
+        Takes ids, not the row: callers run it after a commit (or a failed one), when the row may be gone.
+        """
+        prefix = adapter_prefix(tenant_id, adapter_id)
+        try:
+            keys = await self._resources.objects.list(prefix)
+        except ObjectStoreError:
+            logger.exception("could not list %s to delete it; its objects are left behind", prefix)
+            return
+        await self._delete_keys(keys)
+
+    def ready_adapter_ref(self, adapter: Adapter) -> AdapterLocation:
+        """Where an engine loads `adapter` from, and its digest: see the module function `ready_adapter_ref`."""
+        return ready_adapter_ref(self._resources, adapter)
+
+    async def out(self, adapter: Adapter) -> AdapterOut:
+        base = await self._base_models.get(adapter.base_model_id)
+        return AdapterOut.of(adapter, base.name if base else "")
+
+    async def _validate(self, parts: Sequence[UploadedFile], base: BaseModel) -> tuple[AdapterFiles, LoraAdapter]:
+        settings = self._resources.settings
+        limits = UploadLimits(
+            max_weights_bytes=settings.max_adapter_upload_bytes, max_total_bytes=settings.max_adapter_upload_bytes
+        )
+        try:
+            files = await anyio.to_thread.run_sync(read_upload, parts, limits)
+            model_config = await self._resources.model_configs.of(base.source)
+            parsed = await anyio.to_thread.run_sync(
+                partial(
+                    parse_adapter,
+                    files.config,
+                    files.weights,
+                    model_config,
+                    max_rank=settings.max_lora_rank,
+                    max_bytes=settings.max_adapter_upload_bytes,
+                )
+            )
+        except UploadTooLarge as exc:
+            raise ApiError(413, str(exc), code="upload_too_large", param=exc.field) from None
+        except AdapterError as exc:
+            raise invalid_request(str(exc), param=exc.field, code="invalid_adapter") from None
+        return files, parsed
+
+    async def _store(self, keys: Sequence[str], files: AdapterFiles) -> None:
+        """Put both files, or (deleting whatever was put) raise 503."""
+        try:
+            for key, data in zip(keys, (files.config, files.weights), strict=True):
+                await self._resources.objects.put(key, data, content_type=_CONTENT_TYPES[key.rpartition("/")[2]])
+        except BaseException as exc:
+            # Every key, the failed one too: a put whose answer was lost may still have landed.
+            await self._delete_keys(keys)
+            if isinstance(exc, ObjectStoreError):
+                logger.exception("storing adapter files %s failed", keys)
+                raise ApiError(
+                    503, "The adapter could not be stored; nothing was saved. Try again.", code="storage_unavailable"
+                ) from None
+            raise
+
+    async def _add_next_version(self, adapter: Adapter) -> Adapter:
+        for _ in range(_MAX_VERSION_ATTEMPTS):
+            adapter.version = await self._adapters.latest_version(adapter.name, TenantId(adapter.tenant_id)) + 1
+            try:
+                async with self._session.begin_nested():
+                    return await self._adapters.add(adapter)
+            except IntegrityError:
+                # The savepoint's rollback made `adapter` transient again; the next attempt adds it anew.
+                continue
+        raise conflict(
+            f"Other uploads of '{adapter.name}' took every version this upload tried; try again.", param="name"
+        )
+
+    async def _delete_keys(self, keys: Iterable[str]) -> None:
+        # Shielded: this is cleanup after a failure or a cancellation, and it must run to the end.
+        with anyio.CancelScope(shield=True):
+            for key in keys:
+                try:
+                    await self._resources.objects.delete(key)
+                except Exception:
+                    logger.exception("could not delete %s; it is left behind", key)

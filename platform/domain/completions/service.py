@@ -1,0 +1,240 @@
+"""Completions for tenants: resolve `model`, apply limits, route to an engine, relay its stream, record usage.
+
+The engine speaks OpenAI's protocol too; this layer is what a hosted API adds: the tenant's names (endpoints)
+resolved to a base model and an adapter reference the platform built itself (never a path a tenant chose),
+rate limits, the choice of replica, its own response ids and model names, and one usage row per request, written
+even when the client goes away (billing exactly what was sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from loraplex.platform.auth import TenantPrincipal
+from loraplex.platform.domain.adapters.models import Adapter, AdapterStatus
+from loraplex.platform.domain.adapters.repository import AdapterRepository
+from loraplex.platform.domain.base_models.models import BaseModel
+from loraplex.platform.domain.base_models.repository import BaseModelRepository
+from loraplex.platform.domain.completions.schemas import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.domain.endpoints.models import Endpoint
+from loraplex.platform.domain.endpoints.repository import EndpointRepository
+from loraplex.platform.domain.fleet.client import EngineRequestError, EngineUnavailable
+from loraplex.platform.domain.fleet.registry import Replica
+from loraplex.platform.domain.tenants.repository import TenantRepository
+from loraplex.platform.domain.usage.recorder import UsageEvent
+from loraplex.platform.errors import ApiError
+from loraplex.platform.ratelimit import Limits
+from loraplex.platform.resources import Resources
+
+logger = logging.getLogger(__name__)
+
+Request = ChatCompletionRequest | CompletionRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What `model` names for this tenant."""
+
+    model: str  # as the client wrote it
+    base_model: BaseModel
+    endpoint: Endpoint | None = None
+    adapter: Adapter | None = None
+
+
+@dataclass(slots=True)
+class UsageTally:
+    """Token counts of what has been sent to the client so far (cumulative, from the engine's running usage)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    status: str = "cancelled"  # until a finish reason arrives
+
+    def take(self, usage: dict[str, Any] | None) -> None:
+        if not usage:
+            return
+        self.prompt_tokens = int(usage.get("prompt_tokens", self.prompt_tokens))
+        self.completion_tokens = int(usage.get("completion_tokens", self.completion_tokens))
+        details = usage.get("prompt_tokens_details") or {}
+        self.cached_tokens = int(details.get("cached_tokens", self.cached_tokens))
+
+
+@dataclass(slots=True)
+class Call:
+    request_id: str
+    principal: TenantPrincipal
+    target: Target
+    body: Request
+    replica: Replica
+    engine_body: dict[str, Any]
+    path: str
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    tally: UsageTally = field(default_factory=UsageTally)
+
+
+async def resolve(resources: Resources, principal: TenantPrincipal, model: str) -> Target:
+    """An endpoint of this tenant by name, else a base model by name; anything else (another tenant's endpoint
+    included) is 404 model_not_found."""
+    async with resources.sessions() as session:
+        endpoint = await EndpointRepository(session).get_by_name(model, principal.tenant_id)
+        base_models = BaseModelRepository(session)
+        if endpoint is not None:
+            base = await base_models.get(endpoint.base_model_id)
+            adapter = None
+            if endpoint.adapter_id is not None:
+                adapter = await AdapterRepository(session).get_readable_by_id(endpoint.adapter_id, principal.tenant_id)
+            if base is None or (endpoint.adapter_id is not None and adapter is None):
+                raise _model_not_found(model)
+            return Target(model=model, base_model=base, endpoint=endpoint, adapter=adapter)
+        base = await base_models.get_by_name(model)
+        if base is None:
+            raise _model_not_found(model)
+        return Target(model=model, base_model=base)
+
+
+def _model_not_found(model: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model '{model}' does not exist or you do not have access to it.",
+        code="model_not_found",
+        param="model",
+    )
+
+
+async def limits_for(resources: Resources, principal: TenantPrincipal) -> tuple[Limits, Limits]:
+    """The tenant's and its keys' per-minute limits: what an admin set, else the platform's defaults (a key may
+    use its whole tenant's budget unless limited on its own)."""
+    settings = resources.settings
+    async with resources.sessions() as session:
+        tenant = await TenantRepository(session).get(principal.tenant_id)
+    requests = (tenant.requests_per_minute if tenant else None) or settings.default_requests_per_minute
+    tokens = (tenant.tokens_per_minute if tenant else None) or settings.default_tokens_per_minute
+    key_requests = (tenant.key_requests_per_minute if tenant else None) or requests
+    key_tokens = (tenant.key_tokens_per_minute if tenant else None) or tokens
+    return Limits(requests, tokens), Limits(key_requests, key_tokens)
+
+
+def estimate_tokens(body: Request) -> int:
+    """A cheap upper-ish estimate for the tokens-per-minute limit: prompt characters / 4 plus the output limit."""
+    if isinstance(body, ChatCompletionRequest):
+        prompt_chars = sum(len(json.dumps(m.content)) for m in body.messages)
+    else:
+        prompt_chars = len(body.prompt) * 4 if isinstance(body.prompt, list) else len(body.prompt)
+    return prompt_chars // 4 + (body.limit or 256)
+
+
+def engine_body(target: Target, body: Request, adapter_source: str | None) -> dict[str, Any]:
+    """The engine request: the tenant's fields, the endpoint's defaults under them, always streamed with running
+    usage (so billing knows what each relayed chunk cost)."""
+    defaults = dict(target.endpoint.defaults or {}) if target.endpoint is not None else {}
+    fields = body.model_dump(
+        exclude_none=True,
+        exclude={"model", "stream", "stream_options", "user", "safety_identifier", "prompt_cache_key", "metadata"},
+    )
+    if isinstance(body, ChatCompletionRequest) and body.limit is not None:
+        fields.pop("max_completion_tokens", None)
+        fields["max_tokens"] = body.limit
+    merged: dict[str, Any] = {**defaults, **fields}
+    merged["model"] = target.base_model.name
+    merged["stream"] = True
+    merged["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    if target.adapter is not None:
+        assert adapter_source is not None
+        assert target.adapter.digest is not None
+        merged["lora_adapter"] = {
+            "name": f"{target.adapter.name}@v{target.adapter.version}",
+            "source": adapter_source,
+            "digest": target.adapter.digest,
+        }
+    return merged
+
+
+def check_adapter(target: Target) -> None:
+    adapter = target.adapter
+    if adapter is not None and (adapter.status != AdapterStatus.READY.value or adapter.digest is None):
+        raise ApiError(409, f"The adapter behind '{target.model}' is not ready.", code="adapter_not_ready")
+
+
+def new_request_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+
+
+def usage_event(call: Call) -> UsageEvent:
+    adapter = call.target.adapter
+    return UsageEvent(
+        request_id=call.request_id,
+        tenant_id=call.principal.tenant_id,
+        api_key_id=call.principal.key_id,
+        endpoint_id=call.target.endpoint.id if call.target.endpoint is not None else None,
+        adapter_id=adapter.id if adapter is not None else None,
+        adapter_digest=adapter.digest if adapter is not None else None,
+        model=call.target.model,
+        base_model=call.target.base_model.name,
+        prompt_tokens=call.tally.prompt_tokens,
+        cached_tokens=call.tally.cached_tokens,
+        completion_tokens=call.tally.completion_tokens,
+        status=call.tally.status,
+        started_at=call.started_at,
+        finished_at=datetime.now(UTC),
+    )
+
+
+async def relay(resources: Resources, call: Call) -> AsyncIterator[dict[str, Any]]:
+    """The engine's events for this call, rewritten for the client (our id, the client's model name); the tally
+    follows exactly the chunks handed out. Usage chunks pass only when the client asked for them."""
+    client = resources.fleet.client(call.replica)
+    created = int(time.time())
+    events = client.stream(call.path, call.engine_body)
+    try:
+        async for event in events:
+            if "error" in event:
+                call.tally.status = "error"
+                yield {"error": event["error"]}
+                return
+            usage = event.pop("usage", None)
+            choices = event.get("choices") or []
+            event["id"], event["model"], event["created"] = call.request_id, call.target.model, created
+            if not choices:  # the final usage-only chunk
+                call.tally.take(usage)
+                if call.body.include_usage and usage:
+                    event["usage"] = usage
+                    yield event
+                continue
+            finish = choices[0].get("finish_reason")
+            yield event
+            call.tally.take(usage)  # counted once handed out: a client gone before this chunk never got it
+            if finish is not None:
+                call.tally.status = "ok" if finish == "stop" else str(finish)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def record_usage(resources: Resources, call: Call) -> None:
+    """Written whatever happened to the client; shielded so a cancelled request still writes it."""
+    try:
+        await asyncio.shield(resources.usage.record(usage_event(call)))
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # the recorder never raises by contract; belt and braces
+        logger.exception("usage of %s could not be recorded", call.request_id)
+
+
+def engine_error(exc: EngineRequestError | EngineUnavailable) -> ApiError:
+    if isinstance(exc, EngineUnavailable):
+        return ApiError(503, "The engine serving this model is unavailable; retry shortly.", code="engine_unavailable")
+    error = exc.body.get("error") or {}
+    status = exc.status_code if 400 <= exc.status_code < 500 else 502
+    return ApiError(
+        status,
+        str(error.get("message", "The engine refused the request.")),
+        code=error.get("code"),
+        param=error.get("param"),
+    )

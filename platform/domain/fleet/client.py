@@ -1,0 +1,170 @@
+"""Talking to an engine: the OpenAI-compatible engine server, over HTTP or in process.
+
+Both clients speak the same protocol (the engine's own HTTP API), so there is one code path: the in-process
+client drives the engine's ASGI app directly, streaming its response body as it is sent, without a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine, MutableMapping
+from contextlib import suppress
+from typing import Any, Protocol
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+Message = MutableMapping[str, Any]
+ASGIApp = Callable[..., Coroutine[Any, Any, None]]  # an ASGI 3 app: (scope, receive, send)
+
+
+class EngineUnavailable(Exception):
+    """The engine could not be reached, or broke off its answer."""
+
+
+class EngineRequestError(Exception):
+    """The engine refused the request: its status and OpenAI error body, to pass on to the client."""
+
+    def __init__(self, status_code: int, body: dict[str, Any]) -> None:
+        super().__init__(f"engine answered {status_code}: {body}")
+        self.status_code = status_code
+        self.body = body
+
+
+class EngineClient(Protocol):
+    def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """POST an OpenAI request with stream=true; yield every SSE event's JSON until [DONE].
+
+        Raises EngineRequestError when the engine refuses it (before any event), EngineUnavailable when it cannot
+        be reached or the stream breaks. Closing the iterator early cancels the request on the engine.
+        """
+        ...
+
+    async def close(self) -> None: ...
+
+
+async def _events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+class HttpEngineClient:
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+        self._client = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async with self._client.stream("POST", path, json=body) as response:
+                if response.status_code != 200:
+                    raw = await response.aread()
+                    raise EngineRequestError(response.status_code, _error_body(raw))
+                async for event in _events(response.aiter_lines()):
+                    yield event
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"engine at {self._client.base_url} failed: {exc}") from exc
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class InProcessEngineClient:
+    """Runs requests through the engine's ASGI app in this process, streaming the body as the app sends it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        payload = json.dumps(body).encode()
+        chunks: asyncio.Queue[Message] = asyncio.Queue()
+        disconnect = asyncio.Event()
+        sent = False
+
+        async def receive() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": payload, "more_body": False}
+            await disconnect.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            await chunks.put(message)
+
+        scope: Message = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+            "client": ("127.0.0.1", 0),
+            "server": ("in-process", 0),
+            "state": {},
+        }
+        task: asyncio.Task[None] = asyncio.create_task(self._app(scope, receive, send))
+        try:
+            start = await self._next(chunks, task)
+            status = int(start.get("status", 500))
+            if status != 200:
+                raw = b""
+                while True:
+                    message = await self._next(chunks, task)
+                    raw += message.get("body", b"")
+                    if not message.get("more_body"):
+                        break
+                raise EngineRequestError(status, _error_body(raw))
+            buffer = ""
+            while True:
+                message = await self._next(chunks, task)
+                buffer += message.get("body", b"").decode()
+                *lines, buffer = buffer.split("\n")
+                for line in lines:
+                    if line.startswith("data:"):
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            return
+                        yield json.loads(data)
+                if not message.get("more_body"):
+                    return
+        finally:
+            disconnect.set()  # the app sees a client that went away: it aborts the engine request
+            if not task.done():
+                task.cancel()
+            with suppress(asyncio.CancelledError, Exception):
+                await task
+
+    @staticmethod
+    async def _next(chunks: asyncio.Queue[Message], task: asyncio.Task[None]) -> Message:
+        getter = asyncio.ensure_future(chunks.get())
+        done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        error = task.exception()
+        raise EngineUnavailable(f"the in-process engine stopped answering: {error}")
+
+    async def close(self) -> None:
+        return None
+
+
+def _error_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return body
+    text = raw.decode(errors="replace")[:500]
+    return {"error": {"message": f"engine error: {text}", "type": "server_error", "param": None, "code": None}}

@@ -1,0 +1,87 @@
+"""The embedded mode's fleet: one engine in this process, serving the configured (or demo) base model.
+
+It runs the engine's own HTTP app in process (InProcessEngineClient), so requests take exactly the path they
+take to a remote engine. Adapters are read from the platform's object store, the only root the engine trusts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from loraplex.engine.adapter_manager import AdapterState
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.config import EngineConfig
+from loraplex.platform.domain.fleet.client import InProcessEngineClient
+from loraplex.platform.domain.fleet.registry import LocalFleet, Replica
+from loraplex.platform.settings import Settings, parse_memory_budget
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODEL_NAME = "loraplex-demo"
+
+
+def demo_model_path() -> Path | None:
+    """The demo model committed in the repository (a source checkout), if this is one."""
+    candidate = Path(__file__).resolve().parents[3] / "demo" / "model"
+    return candidate if (candidate / "config.json").is_file() else None
+
+
+def embedded_model(settings: Settings) -> tuple[str, Path]:
+    """(base model name, folder) the embedded engine serves."""
+    if settings.engine_model is not None:
+        path = Path(settings.engine_model).resolve()
+        return path.name, path
+    demo = demo_model_path()
+    if demo is None:
+        raise RuntimeError(
+            "no model for the embedded engine: set LORAPLEX_ENGINE_MODEL to a model folder "
+            "(the demo model ships only in a source checkout)"
+        )
+    return DEMO_MODEL_NAME, demo
+
+
+def adapter_roots(settings: Settings) -> list[str]:
+    if settings.s3_bucket is not None:
+        return [f"s3://{settings.s3_bucket}/tenants/"]
+    return [str(settings.objects_dir.resolve() / "tenants")]
+
+
+async def start_embedded_fleet(settings: Settings) -> tuple[LocalFleet, AsyncEngine, str, Path]:
+    from loraplex.engine.server import create_engine_app
+
+    name, path = embedded_model(settings)
+    config = EngineConfig(
+        model=path,
+        dtype=settings.engine_dtype,
+        max_model_len=settings.engine_max_model_len,
+        kv_budget=parse_memory_budget(settings.engine_kv_budget),
+        served_model_name=name,
+        s3_endpoint_url=settings.s3_endpoint_url,
+        s3_region=settings.s3_region,
+    )
+    started = time.perf_counter()
+    engine = await AsyncEngine.create(config)
+    logger.info("embedded engine serving %s from %s (%.1f s)", name, path, time.perf_counter() - started)
+    app = create_engine_app(engine, adapter_roots=adapter_roots(settings))
+
+    def state() -> Replica:
+        snapshot = engine.state()
+        return Replica(
+            id="embedded",
+            url="in-process",
+            base_model=name,
+            adapters=frozenset(
+                digest for digest, state in engine.adapter_states().items() if state is AdapterState.RESIDENT
+            ),
+            free_pages=snapshot.pool.num_free,
+            evictable_pages=snapshot.pool.num_evictable,
+            num_pages=snapshot.pool.num_pages,
+            num_waiting=snapshot.num_waiting,
+            num_running=snapshot.num_running,
+            max_model_len=engine.core.max_model_len,
+            updated_at=time.time(),
+        )
+
+    return LocalFleet(replica_state=state, engine_client=InProcessEngineClient(app)), engine, name, path

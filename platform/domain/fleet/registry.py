@@ -1,0 +1,199 @@
+"""The fleet: engine replicas the platform can send work to, and the choice of one per request.
+
+Replicas announce themselves in Redis (engine/registration.py writes `{prefix}fleet:engine:{id}` every second
+with a 5 s expiry and adds the id to `{prefix}fleet:engines`); a replica whose key expired has missed its
+heartbeats and is dropped. In the embedded mode the one in-process engine is the fleet.
+
+Routing, among the replicas that serve the request's base model: prefer one where the adapter is resident, then
+the replica this tenant's prefix last went to (its KV blocks may be cached there), then the least loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from redis.exceptions import RedisError
+
+from loraplex.platform.domain.fleet.client import EngineClient, HttpEngineClient
+from loraplex.platform.kv import KeyValueStore, RedisStore
+
+logger = logging.getLogger(__name__)
+
+ENGINES_SET = "fleet:engines"
+ENGINE_KEY = "fleet:engine:{id}"
+AFFINITY_KEY = "fleet:affinity:{key}"
+AFFINITY_TTL_S = 600.0
+_CACHE_S = 0.5  # how long a read of the registry is reused (requests come faster than heartbeats)
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    id: str
+    url: str
+    base_model: str
+    adapters: frozenset[str] = frozenset()  # digests of resident adapters
+    free_pages: int = 0
+    evictable_pages: int = 0  # held by idle adapters or cached KV: an allocation can take them back
+    num_pages: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+    max_model_len: int = 0
+    updated_at: float = 0.0
+
+    @property
+    def load(self) -> float:
+        available = self.free_pages + self.evictable_pages
+        used = 0.0 if self.num_pages == 0 else 1 - available / self.num_pages
+        return self.num_waiting * 2 + self.num_running + used
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> Replica:
+        return cls(
+            id=str(raw["id"]),
+            url=str(raw["url"]),
+            base_model=str(raw["base_model"]),
+            adapters=frozenset(raw.get("adapters") or ()),
+            free_pages=int(raw.get("free_pages", 0)),
+            evictable_pages=int(raw.get("evictable_pages", 0)),
+            num_pages=int(raw.get("num_pages", 0)),
+            num_waiting=int(raw.get("num_waiting", 0)),
+            num_running=int(raw.get("num_running", 0)),
+            max_model_len=int(raw.get("max_model_len", 0)),
+            updated_at=float(raw.get("updated_at", 0.0)),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "base_model": self.base_model,
+            "adapters": sorted(self.adapters),
+            "free_pages": self.free_pages,
+            "evictable_pages": self.evictable_pages,
+            "num_pages": self.num_pages,
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "max_model_len": self.max_model_len,
+            "updated_at": self.updated_at,
+        }
+
+
+class Fleet(Protocol):
+    async def replicas(self) -> list[Replica]: ...
+
+    def client(self, replica: Replica) -> EngineClient: ...
+
+    async def close(self) -> None: ...
+
+
+class EmptyFleet:
+    """No engine (engine mode off): every completion is a 503."""
+
+    async def replicas(self) -> list[Replica]:
+        return []
+
+    def client(self, replica: Replica) -> EngineClient:
+        raise LookupError("the empty fleet has no replica")
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisFleet:
+    """Replicas from the Redis registry; one HTTP client per replica URL."""
+
+    def __init__(self, kv: RedisStore) -> None:
+        self._kv = kv
+        self._clients: dict[str, HttpEngineClient] = {}
+        self._cached: tuple[float, list[Replica]] = (0.0, [])
+
+    async def replicas(self) -> list[Replica]:
+        now = time.monotonic()
+        if now - self._cached[0] < _CACHE_S:
+            return self._cached[1]
+        redis = self._kv.redis
+        try:
+            ids = sorted(
+                m.decode() if isinstance(m, bytes) else str(m) for m in await redis.smembers(self._kv.key(ENGINES_SET))
+            )
+            raws = await redis.mget([self._kv.key(ENGINE_KEY.format(id=i)) for i in ids]) if ids else []
+        except RedisError:
+            logger.warning("engine registry unreachable; keeping the last known fleet", exc_info=True)
+            return self._cached[1]
+        live: list[Replica] = []
+        gone: list[str] = []
+        for engine_id, raw in zip(ids, raws, strict=True):
+            if raw is None:
+                gone.append(engine_id)  # missed its heartbeats: its key expired
+                continue
+            try:
+                live.append(Replica.parse(json.loads(raw)))
+            except (ValueError, KeyError, TypeError):
+                logger.warning("engine %s announced an unreadable state", engine_id)
+        if gone:
+            with contextlib.suppress(RedisError):
+                await redis.srem(self._kv.key(ENGINES_SET), *gone)
+        self._cached = (now, live)
+        return live
+
+    def client(self, replica: Replica) -> EngineClient:
+        client = self._clients.get(replica.url)
+        if client is None:
+            client = self._clients[replica.url] = HttpEngineClient(replica.url)
+        return client
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+
+
+class LocalFleet:
+    """The embedded mode's fleet: one in-process engine, its state read fresh at every request."""
+
+    def __init__(self, replica_state: Callable[[], Replica], engine_client: EngineClient) -> None:
+        self.replica_state = replica_state
+        self.engine_client = engine_client
+
+    async def replicas(self) -> list[Replica]:
+        return [self.replica_state()]
+
+    def client(self, replica: Replica) -> EngineClient:
+        return self.engine_client
+
+    async def close(self) -> None:
+        await self.engine_client.close()
+
+
+class Router:
+    def __init__(self, fleet: Fleet, kv: KeyValueStore) -> None:
+        self.fleet = fleet
+        self._kv = kv
+
+    async def pick(self, base_model: str, adapter_digest: str | None, affinity: str | None) -> Replica | None:
+        candidates = [r for r in await self.fleet.replicas() if r.base_model == base_model]
+        if not candidates:
+            return None
+        warm_id = None
+        if affinity is not None:
+            try:
+                raw = await self._kv.get(AFFINITY_KEY.format(key=affinity))
+                warm_id = raw.decode() if raw else None
+            except (RedisError, OSError):
+                warm_id = None
+
+        def score(replica: Replica) -> tuple[int, int, float]:
+            resident = 0 if adapter_digest is not None and adapter_digest in replica.adapters else 1
+            warm = 0 if replica.id == warm_id else 1
+            return (resident, warm, replica.load)
+
+        chosen = min(candidates, key=score)
+        if affinity is not None and chosen.id != warm_id:
+            with contextlib.suppress(RedisError, OSError):
+                await self._kv.set(AFFINITY_KEY.format(key=affinity), chosen.id.encode(), ttl_s=AFFINITY_TTL_S)
+        return chosen

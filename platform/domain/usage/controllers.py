@@ -1,0 +1,42 @@
+"""HTTP for a tenant's usage under /v1/usage."""
+
+from __future__ import annotations
+
+from litestar import Controller, get
+from litestar.params import FromQuery
+
+from loraplex.platform.dependencies import DbSession, Principal
+from loraplex.platform.domain.usage.schemas import UsageOut, UsageRecordOut, UsageTotalsOut, parse_instant
+from loraplex.platform.domain.usage.service import UsageService, resolve_range
+from loraplex.platform.schemas import PageLimit
+
+
+class UsageController(Controller):
+    path = "/usage"
+    tags = ["tenant: usage"]
+
+    @get("/", summary="Your usage: totals over [start, end) and the requests in it, newest first")
+    async def usage(
+        self,
+        principal: Principal,
+        db: DbSession,
+        start: FromQuery[str | None] = None,
+        end: FromQuery[str | None] = None,
+        limit: PageLimit = 20,
+        after: FromQuery[str | None] = None,
+    ) -> UsageOut:
+        since, until = resolve_range(
+            None if start is None else parse_instant(start, param="start"),
+            None if end is None else parse_instant(end, param="end"),
+        )
+        report = await UsageService(db).report(principal.tenant_id, start=since, end=until, limit=limit, after=after)
+        items = report.page.items
+        return UsageOut(
+            start=report.start,
+            end=report.end,
+            totals=UsageTotalsOut.of(report.totals),
+            data=[UsageRecordOut.of(r) for r in items],
+            has_more=report.page.has_more,
+            first_id=items[0].request_id if items else None,
+            last_id=items[-1].request_id if items else None,
+        )
