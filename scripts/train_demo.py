@@ -384,9 +384,10 @@ def train_base(tokenizer: Any, documents: list[Document], qas: list[QA], model_d
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**json.loads((model_dir / "config.json").read_text()))
-    config.torch_dtype = torch.float32
-    model = LlamaForCausalLM(config).to(torch.float32)
+    fields = json.loads((model_dir / "config.json").read_text())
+    # Trained in float32; config.json's torch_dtype says how the weights are stored.
+    fields.pop("torch_dtype")
+    model = LlamaForCausalLM(LlamaConfig(**fields)).to(torch.float32)
 
     def tensors() -> Iterator[tuple[Any, Any, Any]]:
         for batch in pretraining_batches(tokenizer, documents, qas, seed):
@@ -452,7 +453,8 @@ def train_adapter(
     )
     if out.exists():
         shutil.rmtree(out)
-    peft_model.save_pretrained(str(out))
+    # save_embedding_layers=False: PEFT would otherwise look the base's name up on the Hugging Face Hub.
+    peft_model.save_pretrained(str(out), save_embedding_layers=False)
     # PEFT's model card is an empty template; demo/README.md describes the adapters.
     (out / "README.md").unlink(missing_ok=True)
     return losses
@@ -541,12 +543,12 @@ def write_readme(out: Path, report: dict[str, Any]) -> None:
         f"Greedy, at most {SAMPLE_MAX_TOKENS} tokens, from the loraplex engine (`LLM.chat`, one batch):",
         "",
     ]
+    width = max(len(name) for name in ("base", *ADAPTERS))
     for prompt, answers in report["samples"].items():
-        lines += [f"**{prompt}**", ""]
-        for name, text in answers.items():
-            shown = text.replace("`", "'")
-            lines += [f"- {name}: `{shown}`"]
-        lines.append("")
+        lines += [f"User: {prompt}", "", "```text"]
+        # One line an answer: a newline the model wrote shows as ⏎.
+        lines += [f"{name:<{width}}  {text.replace(chr(10), '⏎')}" for name, text in answers.items()]
+        lines += ["```", ""]
     lines += [
         "## Use",
         "",

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from loraplex.platform.cli import engine_serve
 from loraplex.platform.settings import ENV_PREFIX, Settings, load_settings
 
 pytestmark = pytest.mark.unit
@@ -266,14 +267,41 @@ class TestBucket:
         script = " ".join(SERVICES["minio-init"]["command"])
         created = re.findall(r"mc mb (?:--\S+ )*\w+/([\w.-]+)", script)
         assert created, f"minio-init does not create a bucket: {script}"
-        for name in ("platform", "engine"):
-            assert created == [environment(SERVICES[name])["LORAPLEX_S3_BUCKET"]]
+        assert created == [environment(SERVICES["platform"])["LORAPLEX_S3_BUCKET"]]
+        # The engine reads adapters only under the platform's tenants/ prefix of that bucket.
+        assert command_option(SERVICES["engine"], "--adapter-root") == f"s3://{created[0]}/tenants/"
 
     def test_s3_credentials_are_minios(self) -> None:
         minio, platform = environment(SERVICES["minio"]), environment(SERVICES["platform"])
         assert platform["LORAPLEX_S3_ACCESS_KEY_ID"] == minio["MINIO_ROOT_USER"]
         assert platform["LORAPLEX_S3_SECRET_ACCESS_KEY"] == minio["MINIO_ROOT_PASSWORD"]
         assert environment(SERVICES["minio-init"]) == minio
+
+    def test_engine_reads_adapters_from_the_platforms_s3(self) -> None:
+        minio, platform = environment(SERVICES["minio"]), environment(SERVICES["platform"])
+        engine = environment(SERVICES["engine"])
+        assert engine["AWS_ACCESS_KEY_ID"] == minio["MINIO_ROOT_USER"]
+        assert engine["AWS_SECRET_ACCESS_KEY"] == minio["MINIO_ROOT_PASSWORD"]
+        assert command_option(SERVICES["engine"], "--s3-endpoint-url") == platform["LORAPLEX_S3_ENDPOINT_URL"]
+
+
+class TestFleet:
+    def test_engine_registers_where_the_platform_looks(self) -> None:
+        platform, engine = environment(SERVICES["platform"]), SERVICES["engine"]
+        assert platform["LORAPLEX_ENGINE_MODE"] == "fleet"
+        assert command_option(engine, "--redis-url") == platform["LORAPLEX_REDIS_URL"]
+        platform_prefix = platform.get("LORAPLEX_REDIS_PREFIX") or Settings.model_fields["redis_prefix"].default
+        (option,) = [param for param in engine_serve.params if param.name == "redis_prefix"]
+        engine_prefix = command_option(engine, "--redis-prefix") if "--redis-prefix" in engine["command"] else None
+        assert (engine_prefix or option.default) == platform_prefix
+
+    def test_engine_is_called_at_its_service_name_and_port(self) -> None:
+        assert command_option(SERVICES["engine"], "--public-url") == f"http://engine:{ENGINE_PORT}"
+
+    def test_platform_can_read_the_engines_model_folder(self) -> None:
+        engine_mounts = {container_path(volume) for volume in SERVICES["engine"]["volumes"]}
+        platform_mounts = {container_path(volume) for volume in SERVICES["platform"]["volumes"]}
+        assert engine_mounts <= platform_mounts
 
 
 class TestDockerfile:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -84,23 +85,47 @@ def test_dev_prints_url_token_and_a_working_curl(dev_server: tuple[str, list[str
     assert '"name":"acme"' in result.stdout.replace(" ", "")
 
 
+def tour_script(section: str) -> str:
+    """The section's code blocks as one bash script, in order: bash as written, Python through the venv's python
+    in the same shell (the tour says to run it there, where the shell's exports reach it)."""
+    parts: list[str] = []
+    for language, body in re.findall(r"```(bash|python)\n(.*?)```", section, re.S):
+        parts.append(body if language == "bash" else f"{shlex.quote(sys.executable)} - <<'PYTHON'\n{body}PYTHON\n")
+    return "".join(parts)
+
+
 @pytest.mark.slow
 def test_api_tour_runs_as_written(dev_server: tuple[str, list[str], Path]) -> None:
     url, _, workdir = dev_server
-    tour = re.search(r"## API tour.*?```bash\n(.*?)```", README, re.S)
-    assert tour is not None
+    section = README.split("## API tour", 1)[1].split("\n## ", 1)[0]
+    # The tour runs at the repository root: the demo adapters are where it says.
+    (workdir / "demo").symlink_to(REPO / "demo")
     result = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", tour.group(1)],
+        ["bash", "-euo", "pipefail", "-c", tour_script(section)],
         cwd=workdir,
         env={**os.environ, "LPX": url},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=180,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    compact = result.stdout.replace(" ", "")
     assert '"invalid_api_key"' in result.stdout
     assert '"account_suspended"' in result.stdout
-    assert '"status":"suspended"' in result.stdout.replace(" ", "")
+    assert '"status":"suspended"' in compact
+    assert '"object":"endpoint"' in compact and '"name":"shouty"' in compact
+    # The base model answers in ordinary case; the endpoint's adapter (demo/adapters/upper) in upper case.
+    # curl prints no final newline: an answer's line may start right after the previous JSON.
+    answers = dict(re.findall(r"(?:^|\})(loraplex-demo|shouty): (.*)$", result.stdout, re.M))
+    assert set(answers) == {"loraplex-demo", "shouty"}, output
+    for model, share in (("loraplex-demo", lambda s: s < 0.3), ("shouty", lambda s: s > 0.8)):
+        letters = [c for c in answers[model] if c.isalpha()]
+        assert letters and share(sum(c.isupper() for c in letters) / len(letters)), (model, answers[model])
+    # The streamed answer is the non-streamed one (greedy), followed by its usage.
+    assert answers["shouty"] in result.stdout.split(f"shouty: {answers['shouty']}", 1)[1], output
+    usage = re.search(r'"totals":\{[^}]*"requests":(\d+)', compact)
+    assert usage is not None and int(usage.group(1)) == 3, output
 
 
 @pytest.mark.unit
