@@ -73,10 +73,22 @@ class AdapterEntry:
 class S3Reader:
     """Reads adapter files from S3 with boto3 (endpoint configurable for MinIO/SeaweedFS)."""
 
-    def __init__(self, endpoint_url: str | None, region: str | None) -> None:
+    def __init__(
+        self,
+        endpoint_url: str | None,
+        region: str | None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+    ) -> None:
         import boto3
 
-        self._client: Any = boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region)
+        self._client: Any = boto3.session.Session().client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region,
+            aws_access_key_id=access_key_id,
+            aws_secret_access_key=secret_access_key,
+        )
 
     def read(self, uri: str, name: str, max_bytes: int) -> bytes:
         bucket, _, prefix = uri.removeprefix(S3_SCHEME).partition("/")
@@ -110,6 +122,8 @@ class AdapterManagerConfig:
     load_workers: int = 2
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
+    s3_access_key_id: str | None = None  # None: boto3's credential chain
+    s3_secret_access_key: str | None = field(default=None, repr=False)
 
 
 class AdapterManager:
@@ -148,7 +162,12 @@ class AdapterManager:
         """The S3 client, made on first use by an s3:// source (boto3's endpoint and credentials by default)."""
         with self._s3_lock:
             if source.startswith(S3_SCHEME) and self._s3_reader is None:
-                self._s3_reader = S3Reader(self.config.s3_endpoint_url, self.config.s3_region)
+                self._s3_reader = S3Reader(
+                    self.config.s3_endpoint_url,
+                    self.config.s3_region,
+                    self.config.s3_access_key_id,
+                    self.config.s3_secret_access_key,
+                )
             return self._s3_reader
 
     # --- loading -------------------------------------------------------------------------------------------------

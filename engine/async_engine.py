@@ -58,6 +58,7 @@ class _Add:
     prompt: str | None
     sink: _Sink
     lora: AdapterRef | None
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -135,6 +136,7 @@ class AsyncEngine:
         *,
         add_special_tokens: bool = True,
         lora: AdapterRef | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's output after every step that changes it; the last one has `finished` set.
 
@@ -152,7 +154,7 @@ class AsyncEngine:
             text, token_ids = None, list(prompt)
         self.core.check_request(token_ids, sampling_params)
         sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, token_ids, sampling_params, text, sink, lora))
+        self._commands.put(_Add(request_id, token_ids, sampling_params, text, sink, lora, cache_salt))
         self._wakeup.set()
         finished = False
         try:
@@ -276,7 +278,12 @@ class AsyncEngine:
                 continue
             try:
                 request = self.core.add_request(
-                    command.request_id, command.token_ids, command.params, prompt=command.prompt, lora=command.lora
+                    command.request_id,
+                    command.token_ids,
+                    command.params,
+                    prompt=command.prompt,
+                    lora=command.lora,
+                    cache_salt=command.cache_salt,
                 )
             except Exception as exc:  # a request the checks on the loop let through (duplicate id): fail only it
                 command.sink.put(exc)

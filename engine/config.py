@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +25,8 @@ class EngineConfig:
     max_num_seqs: int = 256  # requests running at once
     max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
     max_num_partial_prefills: int = 4  # requests whose prompt is split over steps at once
+    # Reuse the K/V of full blocks a request's tokens start with (chained hashes; salted per tenant, per adapter).
+    enable_prefix_caching: bool = True
     seed: int = 0  # default generator of unseeded sampling
     num_threads: int | None = None  # CPU threads for torch; default: torch's choice
     served_model_name: str | None = None
@@ -36,6 +38,10 @@ class EngineConfig:
     lora_host_budget: int = 2 * 2**30
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
+    # S3 credentials for adapters (None: boto3's chain, e.g. AWS_ACCESS_KEY_ID); the embedded mode passes the
+    # platform's own, so the engine reads the bucket the platform writes.
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):

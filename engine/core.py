@@ -44,6 +44,9 @@ class EngineState:
     pool: PoolUsage
     num_preemptions: int
     num_steps: int
+    prefix_cache_blocks: int = 0  # full blocks the prefix cache knows (in use or evictable)
+    prefix_cache_queried_tokens: int = 0  # prompt tokens of admitted requests, since start
+    prefix_cache_hit_tokens: int = 0  # of those, served from the cache
 
 
 class EngineCore:
@@ -76,7 +79,7 @@ class EngineCore:
         self.pool = self._create_pool()
         c = self.model_config
         kv_caches = [self.pool.kv_layer(i, c.num_kv_heads, config.block_size, c.head_dim) for i in range(c.num_layers)]
-        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.kv = KVCacheManager(self.pool, config.block_size, prefix_caching=config.enable_prefix_caching)
         self.adapters = AdapterManager(
             self.pool,
             self.model_config,
@@ -86,6 +89,8 @@ class EngineCore:
                 host_budget_bytes=config.lora_host_budget,
                 s3_endpoint_url=config.s3_endpoint_url,
                 s3_region=config.s3_region,
+                s3_access_key_id=config.s3_access_key_id,
+                s3_secret_access_key=config.s3_secret_access_key,
             ),
             reserved_pages=-(-self.max_model_len // config.block_size),
         )
@@ -165,9 +170,13 @@ class EngineCore:
         *,
         prompt: str | None = None,
         lora: AdapterRef | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and queue a request; raises RequestError (ContextLengthExceeded) for bad input. With `lora`,
-        the request waits (not fails) while its adapter loads; a failed load finishes it with an error."""
+        the request waits (not fails) while its adapter loads; a failed load finishes it with an error.
+
+        `cache_salt` keeps the request's prefix-cache blocks apart from those of requests with another salt (the
+        platform gives each tenant its own); the adapter's digest does the same between adapters."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         room = self.check_request(prompt_token_ids, params)
@@ -183,6 +192,7 @@ class EngineCore:
             prompt=prompt,
             generator=generator,
             adapter=self.adapters.request(lora) if lora is not None else None,
+            cache_salt=cache_salt,
         )
         if request.adapter is not None:
             request.adapter.num_requests += 1
@@ -242,6 +252,7 @@ class EngineCore:
         logits = self.runner.execute(prepared)
         for scheduled in sched.scheduled:
             scheduled.request.num_computed_tokens += scheduled.num_new_tokens
+            self.kv.cache_computed(scheduled.request)
         self.num_steps += 1
 
         rows = prepared.sample_requests
@@ -286,10 +297,18 @@ class EngineCore:
         return output
 
     def state(self) -> EngineState:
+        cache = self.kv.prefix_cache
         return EngineState(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             pool=self.pool.usage(),
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
+            prefix_cache_blocks=cache.num_blocks if cache is not None else 0,
+            prefix_cache_queried_tokens=cache.stats.queried_tokens if cache is not None else 0,
+            prefix_cache_hit_tokens=cache.stats.hit_tokens if cache is not None else 0,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request uses (vLLM's reset_prefix_cache); returns how many."""
+        return self.kv.prefix_cache.clear() if self.kv.prefix_cache is not None else 0

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Required, TypedDict
 
 from loraplex.engine.adapter_ref import AdapterRef, LoRARequest
 from loraplex.engine.config import DTypeName, EngineConfig
@@ -15,12 +16,25 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.tokenizer import Tokenizer
 
 
-class TokensPrompt(TypedDict):
-    prompt_token_ids: list[int]
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: Required[list[int]]
+    cache_salt: str  # prefix-cache blocks are shared only between requests with the same salt
 
 
-Prompt = str | TokensPrompt
+class TextPrompt(TypedDict, total=False):
+    prompt: Required[str]
+    cache_salt: str
+
+
+Prompt = str | TextPrompt | TokensPrompt
 Message = dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    text: str | None
+    token_ids: list[int]
+    cache_salt: str | None = None
 
 
 class LLM:
@@ -51,13 +65,21 @@ class LLM:
         `lora_request`: one adapter for every prompt, or one per prompt (None runs the base model).
         """
         prompt_list: list[Prompt] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        tokenizer = self.engine.tokenizer
-        encoded: list[tuple[str | None, list[int]]] = [
-            (p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p["prompt_token_ids"])) for p in prompt_list
-        ]
+        encoded = [self._encode(p) for p in prompt_list]
         return self._generate(
             encoded, self._params_for(len(encoded), sampling_params), self._loras_for(len(encoded), lora_request)
         )
+
+    def _encode(self, prompt: Prompt) -> _Encoded:
+        if isinstance(prompt, str):
+            return _Encoded(prompt, self.engine.tokenizer.encode(prompt))
+        salt = prompt.get("cache_salt")
+        if "prompt_token_ids" in prompt:
+            return _Encoded(None, list(prompt["prompt_token_ids"]), salt)  # type: ignore[typeddict-item]
+        if "prompt" in prompt:
+            text: str = prompt["prompt"]
+            return _Encoded(text, self.engine.tokenizer.encode(text), salt)
+        raise ValueError("a prompt is a str, {'prompt': str} or {'prompt_token_ids': [...]}")
 
     def chat(
         self,
@@ -66,31 +88,34 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         single = bool(messages) and isinstance(messages[0], dict)
         conversations: list[list[Message]] = [list(messages)] if single else [list(c) for c in messages]  # type: ignore[arg-type]
         tokenizer = self.engine.tokenizer
-        encoded: list[tuple[str | None, list[int]]] = []
+        encoded: list[_Encoded] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
             # The template writes any BOS itself; encoding must not add a second one.
-            encoded.append((text, tokenizer.encode(text, add_special_tokens=False)))
+            encoded.append(_Encoded(text, tokenizer.encode(text, add_special_tokens=False), cache_salt))
         return self._generate(
             encoded, self._params_for(len(encoded), sampling_params), self._loras_for(len(encoded), lora_request)
         )
 
     def _generate(
         self,
-        encoded: list[tuple[str | None, list[int]]],
+        encoded: list[_Encoded],
         params_list: list[SamplingParams],
         loras: list[AdapterRef | None],
     ) -> list[RequestOutput]:
         request_ids: list[str] = []
         try:
-            for (text, token_ids), params, lora in zip(encoded, params_list, loras, strict=True):
+            for prompt, params, lora in zip(encoded, params_list, loras, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, token_ids, params, prompt=text, lora=lora)
+                self.engine.add_request(
+                    request_id, prompt.token_ids, params, prompt=prompt.text, lora=lora, cache_salt=prompt.cache_salt
+                )
                 request_ids.append(request_id)
         except BaseException:
             for request_id in request_ids:

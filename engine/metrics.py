@@ -38,6 +38,7 @@ class RequestRecord:
     num_generated_tokens: int
     time_to_first_token_s: float | None  # None when no token came out
     latency_s: float
+    adapter: str = ""  # the LoRA adapter's name; "" for the base model
 
 
 class _StateCollector(Collector):
@@ -79,6 +80,20 @@ class EngineMetrics:
             f"{_PREFIX}_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=self.registry
         )
         self.generation_tokens = Counter(f"{_PREFIX}_generation_tokens", "Tokens generated.", registry=self.registry)
+        # Hit rate per adapter = hit / queried. The platform's own /metrics has it per tenant (the engine never
+        # learns tenants: it sees only their cache salts).
+        self.prefix_queried_tokens = Counter(
+            f"{_PREFIX}_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache, by adapter ('' for the base model).",
+            ["adapter"],
+            registry=self.registry,
+        )
+        self.prefix_hit_tokens = Counter(
+            f"{_PREFIX}_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache, by adapter ('' for the base model).",
+            ["adapter"],
+            registry=self.registry,
+        )
         self.time_to_first_token = Histogram(
             f"{_PREFIX}_time_to_first_token_seconds",
             "From request arrival to its first generated token.",
@@ -97,6 +112,8 @@ class EngineMetrics:
         self.requests.labels(record.finish_reason).inc()
         self.prompt_tokens.inc(record.num_prompt_tokens)
         self.cached_prompt_tokens.inc(record.num_cached_tokens)
+        self.prefix_queried_tokens.labels(record.adapter).inc(record.num_prompt_tokens)
+        self.prefix_hit_tokens.labels(record.adapter).inc(record.num_cached_tokens)
         self.generation_tokens.inc(record.num_generated_tokens)
         if record.time_to_first_token_s is not None:
             self.time_to_first_token.observe(record.time_to_first_token_s)

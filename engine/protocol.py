@@ -2,10 +2,10 @@
 for /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 Requests accept OpenAI's fields plus vLLM's sampling extras (top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
-skip_special_tokens, include_stop_str_in_output) and vLLM's `stream_options.continuous_usage_stats`, and one field of
-our own for a trusted caller (the platform): `lora_adapter`, an adapter named by its files and content digest
-(`LoraAdapterSpec`). Unknown fields are ignored, as both servers do, and listed in
-`model_extra` so the server can log them. Shape errors (a wrong type, a role that does not exist) fail
+skip_special_tokens, include_stop_str_in_output), vLLM's `cache_salt` and `stream_options.continuous_usage_stats`,
+and one field of our own for a trusted caller (the platform): `lora_adapter`, an adapter named by its files and
+content digest (`LoraAdapterSpec`). Unknown fields are ignored, as both servers do, and listed in `model_extra` so
+the server can log them. Shape errors (a wrong type, a role that does not exist) fail
 validation and name the field; values the engine cannot honour (n > 1, penalties, tools, a JSON response format)
 are refused by `sampling_params()` / `check_supported()` with a `RequestError` naming the field; ranges
 (temperature, top_p, ...) are `SamplingParams`'s to check, so each rule lives in one place.
@@ -25,6 +25,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    StringConstraints,
     field_validator,
     model_serializer,
 )
@@ -133,6 +134,9 @@ class _SamplingFields(_Request):
     min_tokens: StrictInt = 0
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt (the platform sets one per
+    # tenant; a client that reaches the engine directly can only narrow its own sharing with it).
+    cache_salt: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     repetition_penalty: float | None = None

@@ -41,7 +41,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at the first admission)
+    cache_salt: str | None = None  # set by a trusted caller (the platform: per tenant); part of block 0's hash
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, filled in by the prefix cache
     adapter: AdapterEntry | None = None  # None: the base model
     error: str | None = None  # why it finished with FINISHED_ERROR
 

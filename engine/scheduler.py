@@ -117,14 +117,18 @@ class Scheduler:
                     i += 1  # still loading (or failed: the engine finishes it): look further
                     continue
                 self.adapters.acquire(entry)  # pinned before KV allocation may evict idle adapters
+            self.kv.match_prefix(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv.can_allocate(request, num_new, reserve=self.config.watermark_pages):
+                self.kv.free(request)  # the matched prefix goes back to the cache
+                request.num_computed_tokens = 0
                 if entry is not None:
                     assert self.adapters is not None
                     self.adapters.release(entry)
                 break
             del self.waiting[i]
             self.kv.allocate(request, num_new)
+            self.kv.admitted(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if entry is not None:

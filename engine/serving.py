@@ -87,6 +87,7 @@ class Job:
     model: str  # the name the client asked for (the base model's or an adapter's), echoed in responses
     lora: AdapterRef | None  # None: the base model
     lora_param: str = "model"  # the request field that named the adapter, for errors about it
+    cache_salt: str | None = None  # the request's prefix-cache salt
 
     def request_id(self, index: int) -> str:
         return self.response_id if len(self.prompts) == 1 else f"{self.response_id}-{index}"
@@ -251,7 +252,15 @@ class OpenAIServing:
     ) -> Job:
         lora_param = LORA_ADAPTER_PARAM if body.lora_adapter is not None else "model"
         job = Job(
-            f"{kind}-{secrets.token_hex(16)}", int(time.time()), prompts, params, arrived, model, lora, lora_param
+            f"{kind}-{secrets.token_hex(16)}",
+            int(time.time()),
+            prompts,
+            params,
+            arrived,
+            model,
+            lora,
+            lora_param,
+            body.cache_salt,
         )
         if body.unknown_fields:
             logger.warning("%s: ignoring unknown fields %s", job.response_id, ", ".join(body.unknown_fields))
@@ -293,7 +302,9 @@ class OpenAIServing:
         last: RequestOutput | None = None
         failed = False
         try:
-            outputs = self.engine.generate(prompt.token_ids, job.params, request_id, lora=job.lora)
+            outputs = self.engine.generate(
+                prompt.token_ids, job.params, request_id, lora=job.lora, cache_salt=job.cache_salt
+            )
             # Closing the generator is what aborts the request.
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
@@ -322,6 +333,7 @@ class OpenAIServing:
                 num_generated_tokens=len(last.outputs[0].token_ids) if last is not None else 0,
                 time_to_first_token_s=None if first_token_at is None else first_token_at - job.arrived,
                 latency_s=ended - job.arrived,
+                adapter=job.lora.name if job.lora is not None else "",
             )
             self.metrics.record(record)
             if job.lora is not None:
@@ -516,6 +528,12 @@ class OpenAIServing:
                 "num_free": pool.num_free,
                 "page_bytes": pool.page_bytes,
                 "by_kind": dict(pool.by_kind),
+                "num_evictable": pool.num_evictable,
+            },
+            "prefix_cache": {
+                "blocks": state.prefix_cache_blocks,
+                "queried_tokens": state.prefix_cache_queried_tokens,
+                "hit_tokens": state.prefix_cache_hit_tokens,
             },
             "adapters": self.loras.report(),
         }

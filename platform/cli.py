@@ -184,6 +184,12 @@ def engine() -> None:
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block (8 to 128).")
 @click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Requests running at once.")
 @click.option("--max-num-batched-tokens", type=int, default=4096, show_default=True, help="Token budget of one step.")
+@click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    default=True,
+    show_default=True,
+    help="Reuse the KV of full blocks a prompt starts with (kept apart per cache_salt and per adapter).",
+)
 @click.option("--served-model-name", default=None, help="The model name clients send (default: the folder's name).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of unseeded sampling.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
@@ -257,6 +263,7 @@ def engine_serve(
     block_size: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    enable_prefix_caching: bool,
     served_model_name: str | None,
     seed: int,
     device: str,
@@ -345,6 +352,7 @@ def engine_serve(
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
             seed=seed,
             num_threads=num_threads,
             served_model_name=served_model_name,

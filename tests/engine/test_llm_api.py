@@ -15,6 +15,7 @@ import torch
 from loraplex.engine import LLM, SamplingParams
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
 from loraplex.engine.errors import ContextLengthExceeded, RequestError
 
 pytestmark = pytest.mark.unit
@@ -138,6 +139,12 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     assert len(batch) == 2
 
 
+def _request_pages(core: EngineCore) -> int:
+    """KV pages requests hold: all but the prefix cache's idle blocks (on the eviction list; no adapters here)."""
+    usage = core.pool.usage()
+    return usage.by_kind["kv"] - usage.num_evictable
+
+
 def test_bad_requests_leave_nothing_queued(llm: LLM) -> None:
     with pytest.raises(ContextLengthExceeded, match="maximum context length is 512"):
         llm.generate({"prompt_token_ids": [5] * 600})
@@ -146,7 +153,7 @@ def test_bad_requests_leave_nothing_queued(llm: LLM) -> None:
     with pytest.raises(RequestError, match=r"token ids must be in \[0, "):
         llm.generate({"prompt_token_ids": [10**6]})
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.pool.usage().by_kind["kv"] == 0
+    assert _request_pages(llm.engine) == 0
 
 
 def test_abort_frees_everything_at_once(llm: LLM) -> None:
@@ -156,14 +163,14 @@ def test_abort_frees_everything_at_once(llm: LLM) -> None:
     core.add_request("drop", [7] * 100, params)
     for _ in range(3):
         core.step()
-    held = core.pool.usage().by_kind["kv"]
+    held = _request_pages(core)
     output = core.abort_request("drop")
     assert output is not None and output.finished
     assert output.outputs[0].finish_reason == "abort"
-    assert core.pool.usage().by_kind["kv"] == held - 7  # 100 prompt + 3 tokens in blocks of 16
+    assert _request_pages(core) == held - 7  # 100 prompt + 3 tokens in blocks of 16
     assert core.abort_request("drop") is None
     core.abort_request("keep")
-    assert core.pool.usage().by_kind["kv"] == 0
+    assert _request_pages(core) == 0
 
 
 async def test_async_engine_streams_and_aborts(model_dir: Path) -> None:
@@ -190,10 +197,11 @@ async def test_async_engine_streams_and_aborts(model_dir: Path) -> None:
         await stream.aclose()  # a consumer that goes away aborts its request
         for _ in range(100):
             state = engine.state()
-            if state.num_running == 0 and state.pool.by_kind["kv"] == 0:
+            if state.num_running == 0 and state.pool.by_kind["kv"] == state.pool.num_evictable:
                 break
             await asyncio.sleep(0.02)
-        assert engine.state().pool.by_kind["kv"] == 0
+        state = engine.state()
+        assert state.pool.by_kind["kv"] == state.pool.num_evictable == state.prefix_cache_blocks
         assert engine.is_healthy
     finally:
         await engine.shutdown()

@@ -510,9 +510,11 @@ def test_state_reports_load_and_pool(server: Server) -> None:
     assert state["num_preemptions"] == 0
     pool = state["pool"]
     assert pool["num_pages"] > 0
-    assert pool["num_free"] == pool["num_pages"]
+    # Nothing runs: every page is free or an idle prefix-cache block (earlier tests' prompts).
+    assert pool["num_free"] + pool["num_evictable"] == pool["num_pages"]
     assert pool["page_bytes"] > 0
-    assert pool["by_kind"] == {"kv": 0, "adapter": 0}
+    assert pool["by_kind"] == {"kv": state["prefix_cache"]["blocks"], "adapter": 0}
+    assert pool["num_evictable"] == state["prefix_cache"]["blocks"]
 
 
 def test_metrics_count_requests_and_tokens(server: Server) -> None:
@@ -539,9 +541,32 @@ def test_metrics_count_requests_and_tokens(server: Server) -> None:
         assert name in text
 
 
+def test_cache_salt_isolates_the_prefix_cache_and_metrics_show_hits(server: Server) -> None:
+    prompt = [5 + (i * 7) % 200 for i in range(3 * 16 + 4)]  # three full blocks and a few tokens
+    hits_before = server.metric("loraplex_engine_prefix_cache_hit_tokens_total", '{adapter=""}')
+    queried_before = server.metric("loraplex_engine_prefix_cache_queried_tokens_total", '{adapter=""}')
+
+    def cached(salt: str) -> int:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "cache_salt": salt}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached("salt-a") == 0
+    assert cached("salt-b") == 0
+    assert cached("salt-a") == 3 * 16
+    assert server.metric("loraplex_engine_prefix_cache_hit_tokens_total", '{adapter=""}') == hits_before + 48
+    assert server.metric("loraplex_engine_prefix_cache_queried_tokens_total", '{adapter=""}') == queried_before + 3 * 52
+    state = server.state()["prefix_cache"]
+    assert state["blocks"] >= 6 and state["hit_tokens"] >= 48
+    bad = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
 def _pages_freed(server: Server) -> bool:
     state = server.state()
-    return bool(state["pool"]["by_kind"]["kv"] == 0 and state["num_running"] == 0 and state["num_waiting"] == 0)
+    idle = state["pool"]["by_kind"]["kv"] == state["pool"]["num_evictable"]  # only idle prefix-cache blocks left
+    return bool(idle and state["num_running"] == 0 and state["num_waiting"] == 0)
 
 
 def test_client_disconnecting_mid_stream_aborts_its_request(server: Server) -> None:
@@ -552,7 +577,8 @@ def test_client_disconnecting_mid_stream_aborts_its_request(server: Server) -> N
         lines = response.iter_lines()
         received = [line for line in (next(lines), next(lines), next(lines)) if line]
         assert received and received[0].startswith("data: ")
-        assert server.state()["pool"]["by_kind"]["kv"] > 0  # it is still generating
+        pool = server.state()["pool"]
+        assert pool["by_kind"]["kv"] > pool["num_evictable"]  # it is still generating
     assert _wait_until(lambda: _pages_freed(server))
     assert server.metric("loraplex_engine_requests_total", '{finish_reason="abort"}') == aborted + 1
 
