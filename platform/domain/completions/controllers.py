@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, Coroutine
+from typing import Any, TypeVar
 
 from litestar import Controller, Response, get, post
+from litestar import Request as HttpRequest
+from litestar.background_tasks import BackgroundTask
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.params import JSONBody
 from litestar.response import Stream
 
 from loraplex.platform.auth import TenantPrincipal
+from loraplex.platform.db.pagination import MAX_PAGE_SIZE
 from loraplex.platform.dependencies import AppResources, Principal
 from loraplex.platform.domain.adapters.service import ready_adapter_ref
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
@@ -29,18 +35,31 @@ from loraplex.platform.domain.completions.service import (
     relay,
     resolve,
 )
+from loraplex.platform.domain.endpoints.models import Endpoint
 from loraplex.platform.domain.endpoints.repository import EndpointRepository
 from loraplex.platform.domain.fleet.client import EngineRequestError, EngineUnavailable
-from loraplex.platform.errors import ApiError
+from loraplex.platform.errors import ApiError, openai_error
 from loraplex.platform.ratelimit import rate_limit_error
 from loraplex.platform.resources import Resources
 
 SSE_DONE = "data: [DONE]\n\n"
+# nginx's "client closed request": never seen by the client, but honest in access logs.
+STATUS_CLIENT_CLOSED = 499
 MAX_BODY_BYTES = 4 * 2**20
+
+T = TypeVar("T")
 
 
 def _sse(event: dict[str, Any]) -> str:
     return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+def _too_large(_: HttpRequest[Any, Any, Any], __: RequestEntityTooLarge) -> Response[dict[str, Any]]:
+    return openai_error(
+        413,
+        f"The request body is larger than {MAX_BODY_BYTES} bytes, the most this API accepts.",
+        code="request_too_large",
+    )
 
 
 async def _start(
@@ -49,16 +68,6 @@ async def _start(
     """Everything that can refuse the request, before any byte is sent: model, limits, a replica."""
     target = await resolve(resources, principal, body.model)
     check_adapter(target)
-    tenant_limits, key_limits = await limits_for(resources, principal)
-    decision = await resources.rate_limiter.acquire(
-        tenant_id=str(principal.tenant_id),
-        key_id=principal.key_id,
-        tenant=tenant_limits,
-        key=key_limits,
-        tokens=estimate_tokens(body),
-    )
-    if not decision.allowed:
-        raise rate_limit_error(decision)
     digest = target.adapter.digest if target.adapter is not None else None
     affinity = f"{principal.tenant_id}:{body.prompt_cache_key or ''}"
     replica = await resources.router.pick(target.base_model.name, digest, affinity)
@@ -66,6 +75,16 @@ async def _start(
         raise ApiError(
             503, f"No engine serves '{target.base_model.name}' right now; retry shortly.", code="engine_unavailable"
         )
+    tenant_limits, key_limits = await limits_for(resources, principal)
+    decision = await resources.rate_limiter.acquire(
+        tenant_id=str(principal.tenant_id),
+        key_id=principal.key_id,
+        tenant=tenant_limits,
+        key=key_limits,
+        tokens=estimate_tokens(body, replica.max_model_len),
+    )
+    if not decision.allowed:
+        raise rate_limit_error(decision)
     source = ready_adapter_ref(resources, target.adapter)[0] if target.adapter is not None else None
     call = Call(
         request_id=new_request_id(isinstance(body, ChatCompletionRequest)),
@@ -73,28 +92,63 @@ async def _start(
         target=target,
         body=body,
         replica=replica,
-        engine_body=engine_body(target, body, source),
+        engine_body=engine_body(target, body, source, cache_salt=str(principal.tenant_id)),
         path=path,
     )
-    return call, decision.headers
+    # The request id is the usage row's key: a client can find what it was billed even if it got no chunk.
+    return call, {**decision.headers, "x-request-id": call.request_id}
 
 
-async def _complete(resources: Resources, principal: TenantPrincipal, body: Request, path: str) -> Response[Any]:
+async def _complete(
+    request: HttpRequest[Any, Any, Any], resources: Resources, principal: TenantPrincipal, body: Request, path: str
+) -> Response[Any]:
     call, headers = await _start(resources, principal, body, path)
-    if body.stream:
-        return Stream(_stream(resources, call), media_type="text/event-stream", headers=headers)
+    if not body.stream:
+        try:
+            return Response(await _unless_disconnected(request, _collect(resources, call)), headers=headers)
+        finally:
+            await record_usage(resources, call)
+    # The engine validates the request before its first event (a prompt too long, a bad parameter): wait for that
+    # first event, so such a request is a plain error response, not a 200 whose stream holds an error.
+    events = relay(resources, call)
     try:
-        return Response(await _collect(resources, call), headers=headers)
-    finally:
+        first = await anext(events)
+    except (EngineRequestError, EngineUnavailable) as exc:
+        call.tally.status = "error"
         await record_usage(resources, call)
+        raise engine_error(exc) from None
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await events.aclose()
+        await record_usage(resources, call)
+        raise
+    if first is not None and "error" in first:  # failed before its first token (its adapter did not load)
+        await events.aclose()
+        await record_usage(resources, call)
+        raise _failed(first["error"])
+    body_stream = _stream(resources, call, events, first)
+    return Stream(
+        body_stream,
+        media_type="text/event-stream",
+        headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        # Litestar does not close an iterator it stops reading (the client went away while a chunk was being
+        # sent): closing it here ends the engine request and records the usage now, not when it is collected.
+        background=BackgroundTask(body_stream.aclose),
+    )
 
 
-async def _stream(resources: Resources, call: Call) -> AsyncIterator[str]:
-    """SSE to the client; an engine failure mid-stream ends it with an error event. Usage is recorded in the
-    finally, shielded, whether the stream ended, failed, or the client went away."""
+async def _stream(
+    resources: Resources, call: Call, events: AsyncGenerator[dict[str, Any], None], first: dict[str, Any] | None
+) -> AsyncGenerator[str, None]:
+    """SSE to the client: `first` (already taken from `events`), then the rest; an engine failure mid-stream ends
+    it with an error event. Usage is recorded in the finally, shielded, whether the stream ended, failed, or the
+    client went away."""
     try:
-        async for event in relay(resources, call):  # the engine's first chat chunk carries the role delta
-            yield _sse(event)
+        if first is not None:  # the engine's first chat chunk carries the role delta
+            yield _sse(first)
+            async for event in events:
+                yield _sse(event)
         yield SSE_DONE
     except (EngineRequestError, EngineUnavailable) as exc:
         call.tally.status = "error"
@@ -102,7 +156,35 @@ async def _stream(resources: Resources, call: Call) -> AsyncIterator[str]:
         yield _sse({"error": {"message": error.message, "type": "server_error", "param": None, "code": error.code}})
         yield SSE_DONE
     finally:
+        await events.aclose()
         await record_usage(resources, call)
+
+
+async def _disconnected(request: HttpRequest[Any, Any, Any]) -> None:
+    # The body has been read, so the next ASGI message is the disconnect (or the end of the response).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: HttpRequest[Any, Any, Any], work: Coroutine[Any, Any, T]) -> T:
+    """Await `work`, cancelling it (which aborts the engine request) if the client goes away first: a client that
+    gave up (a timeout, then a retry) must not leave its generation running to max_tokens."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ApiError(STATUS_CLIENT_CLOSED, "The client closed the connection.", code="client_closed")
+        return task.result()
+    finally:
+        task.cancel()
+        watcher.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+def _failed(error: dict[str, Any]) -> ApiError:
+    """The engine failed the request after accepting it: our fault (its adapter is one we stored), not the client's."""
+    return ApiError(502, str(error.get("message", "The engine failed the request.")), code=error.get("code"))
 
 
 async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
@@ -112,15 +194,16 @@ async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
     logprobs: list[Any] = []
     finish: str | None = None
     try:
-        async for event in relay(resources, call):
-            if "error" in event:
-                raise ApiError(502, str(event["error"].get("message", "engine error")), code=event["error"].get("code"))
-            for part in event.get("choices") or []:
-                piece = (part.get("delta") or {}).get("content") if chat else part.get("text")
-                text.append(piece or "")
-                if part.get("logprobs"):
-                    logprobs.append(part["logprobs"])
-                finish = part.get("finish_reason") or finish
+        async with contextlib.aclosing(relay(resources, call)) as events:
+            async for event in events:
+                if "error" in event:
+                    raise _failed(event["error"])
+                for part in event.get("choices") or []:
+                    piece = (part.get("delta") or {}).get("content") if chat else part.get("text")
+                    text.append(piece or "")
+                    if part.get("logprobs"):
+                        logprobs.append(part["logprobs"])
+                    finish = part.get("finish_reason") or finish
     except (EngineRequestError, EngineUnavailable) as exc:
         call.tally.status = "error"
         raise engine_error(exc) from None
@@ -168,23 +251,51 @@ class CompletionsController(Controller):
     path = "/"
     tags = ["tenant: completions"]
 
-    @post("/chat/completions", summary="Chat completion (OpenAI's API)", request_max_body_size=MAX_BODY_BYTES)
+    @post(
+        "/chat/completions",
+        status_code=200,  # OpenAI answers 200, not Litestar's default 201 for a POST
+        summary="Chat completion (OpenAI's API)",
+        request_max_body_size=MAX_BODY_BYTES,
+        exception_handlers={RequestEntityTooLarge: _too_large},
+    )
     async def chat(
-        self, data: JSONBody[ChatCompletionRequest], principal: Principal, resources: AppResources
+        self,
+        request: HttpRequest[Any, Any, Any],
+        data: JSONBody[ChatCompletionRequest],
+        principal: Principal,
+        resources: AppResources,
     ) -> Response[Any]:
-        return await _complete(resources, principal, data, "/v1/chat/completions")
+        return await _complete(request, resources, principal, data, "/v1/chat/completions")
 
-    @post("/completions", summary="Text completion (OpenAI's legacy API)", request_max_body_size=MAX_BODY_BYTES)
+    @post(
+        "/completions",
+        status_code=200,  # OpenAI answers 200, not Litestar's default 201 for a POST
+        summary="Text completion (OpenAI's legacy API)",
+        request_max_body_size=MAX_BODY_BYTES,
+        exception_handlers={RequestEntityTooLarge: _too_large},
+    )
     async def completions(
-        self, data: JSONBody[CompletionRequest], principal: Principal, resources: AppResources
+        self,
+        request: HttpRequest[Any, Any, Any],
+        data: JSONBody[CompletionRequest],
+        principal: Principal,
+        resources: AppResources,
     ) -> Response[Any]:
-        return await _complete(resources, principal, data, "/v1/completions")
+        return await _complete(request, resources, principal, data, "/v1/completions")
 
     @get("/models", summary="Models you can name: your endpoints and the base models")
     async def models(self, principal: Principal, resources: AppResources) -> dict[str, Any]:
+        endpoints: list[Endpoint] = []
         async with resources.sessions() as session:
             base_models = await BaseModelRepository(session).list()
-            endpoints = await EndpointRepository(session).list_for_tenant(principal.tenant_id, limit=100, after=None)
+            repository = EndpointRepository(session)
+            while True:  # every endpoint, not only the first page: a model missing here looks like a 404 later
+                page = await repository.list_for_tenant(
+                    principal.tenant_id, limit=MAX_PAGE_SIZE, after=endpoints[-1].id if endpoints else None
+                )
+                endpoints += page.items
+                if not page.has_more:
+                    break
         data = [
             {
                 "id": e.name,
@@ -193,7 +304,7 @@ class CompletionsController(Controller):
                 "owned_by": "you",
                 "kind": "endpoint",
             }
-            for e in endpoints.items
+            for e in endpoints
         ]
         data += [
             {

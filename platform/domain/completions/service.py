@@ -13,7 +13,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -122,20 +122,29 @@ async def limits_for(resources: Resources, principal: TenantPrincipal) -> tuple[
     return Limits(requests, tokens), Limits(key_requests, key_tokens)
 
 
-def estimate_tokens(body: Request) -> int:
-    """A cheap upper-ish estimate for the tokens-per-minute limit: prompt characters / 4 plus the output limit."""
+def estimate_tokens(body: Request, max_model_len: int = 0) -> int:
+    """A cheap upper-ish estimate for the tokens-per-minute limit: prompt characters / 4 plus the output limit,
+    capped at the model's context (`max_model_len`, 0: unknown) since no request can use more. Without the cap an
+    oversized max_tokens would be refused as too large for the rate limit instead of by the engine, with its
+    clearer context_length_exceeded."""
     if isinstance(body, ChatCompletionRequest):
         prompt_chars = sum(len(json.dumps(m.content)) for m in body.messages)
     else:
         prompt_chars = len(body.prompt) * 4 if isinstance(body.prompt, list) else len(body.prompt)
-    return prompt_chars // 4 + (body.limit or 256)
+    estimate = prompt_chars // 4 + (body.limit or 256)
+    return min(estimate, max_model_len) if max_model_len > 0 else estimate
 
 
-def engine_body(target: Target, body: Request, adapter_source: str | None) -> dict[str, Any]:
+def engine_body(target: Target, body: Request, adapter_source: str | None, cache_salt: str) -> dict[str, Any]:
     """The engine request: the tenant's fields, the endpoint's defaults under them, always streamed with running
-    usage (so billing knows what each relayed chunk cost)."""
+    usage (so billing knows what each relayed chunk cost), and the tenant's `cache_salt`, which keeps its prefix-cache
+    blocks apart from every other tenant's (a shared block would tell one tenant, through `cached_tokens`, what
+    another sent)."""
     defaults = dict(target.endpoint.defaults or {}) if target.endpoint is not None else {}
+    # Only what the client sent: a schema default (completions' max_tokens=16) must not hide the endpoint's default.
+    # The engine has OpenAI's defaults for what neither gives.
     fields = body.model_dump(
+        exclude_unset=True,
         exclude_none=True,
         exclude={"model", "stream", "stream_options", "user", "safety_identifier", "prompt_cache_key", "metadata"},
     )
@@ -146,6 +155,7 @@ def engine_body(target: Target, body: Request, adapter_source: str | None) -> di
     merged["model"] = target.base_model.name
     merged["stream"] = True
     merged["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    merged["cache_salt"] = cache_salt
     if target.adapter is not None:
         assert adapter_source is not None
         assert target.adapter.digest is not None
@@ -187,7 +197,7 @@ def usage_event(call: Call) -> UsageEvent:
     )
 
 
-async def relay(resources: Resources, call: Call) -> AsyncIterator[dict[str, Any]]:
+async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, Any], None]:
     """The engine's events for this call, rewritten for the client (our id, the client's model name); the tally
     follows exactly the chunks handed out. Usage chunks pass only when the client asked for them."""
     client = resources.fleet.client(call.replica)
@@ -196,8 +206,12 @@ async def relay(resources: Resources, call: Call) -> AsyncIterator[dict[str, Any
     try:
         async for event in events:
             if "error" in event:
+                # The engine accepted the request, then failed it (an adapter we stored did not load): our fault.
+                # Its message names our storage, so it goes to the log and the client gets its code.
                 call.tally.status = "error"
-                yield {"error": event["error"]}
+                error = event["error"] if isinstance(event["error"], dict) else {}
+                logger.warning("%s: the engine failed the request: %s", call.request_id, error.get("message"))
+                yield {"error": engine_failure(error.get("code"))}
                 return
             usage = event.pop("usage", None)
             choices = event.get("choices") or []
@@ -215,6 +229,17 @@ async def relay(resources: Resources, call: Call) -> AsyncIterator[dict[str, Any
                 call.tally.status = "ok" if finish == "stop" else str(finish)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+
+
+def engine_failure(code: str | None) -> dict[str, Any]:
+    """The error a client sees when the engine fails its request after accepting it."""
+    reason = f" ({code})" if code else ""
+    return {
+        "message": f"The engine failed while running this request{reason}; retry, and contact support if it persists.",
+        "type": "server_error",
+        "param": None,
+        "code": code,
+    }
 
 
 async def record_usage(resources: Resources, call: Call) -> None:

@@ -46,6 +46,17 @@ class EngineClient(Protocol):
     async def close(self) -> None: ...
 
 
+def _event(data: str) -> dict[str, Any]:
+    """One SSE event's JSON object; anything else means the stream is broken, not that the request failed."""
+    try:
+        event = json.loads(data)
+    except ValueError:
+        event = None
+    if not isinstance(event, dict):
+        raise EngineUnavailable(f"the engine sent an unreadable event: {data[:200]!r}")
+    return event
+
+
 async def _events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
     async for line in lines:
         if not line.startswith("data:"):
@@ -53,12 +64,26 @@ async def _events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        yield json.loads(data)
+        yield _event(data)
+    # Every answer the engine gives ends with [DONE], errors included: a body without it was cut off.
+    raise EngineUnavailable("the engine's stream ended before [DONE]")
 
 
 class HttpEngineClient:
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
-        self._client = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+    """One engine replica over HTTP. `on_unreachable` is called when a connection cannot even be opened (the
+    request never reached the engine), so that the fleet can route around a replica that has gone away."""
+
+    def __init__(
+        self, base_url: str, *, timeout_s: float = 600.0, on_unreachable: Callable[[], None] | None = None
+    ) -> None:
+        # No cap on connections: the engine queues and schedules requests itself and announces its queue to the
+        # router, where a cap here (httpx's default is 100) would hold requests back unseen, for up to timeout_s.
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self._on_unreachable = on_unreachable
 
     async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         try:
@@ -69,6 +94,8 @@ class HttpEngineClient:
                 async for event in _events(response.aiter_lines()):
                     yield event
         except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) and self._on_unreachable is not None:
+                self._on_unreachable()
             raise EngineUnavailable(f"engine at {self._client.base_url} failed: {exc}") from exc
 
     async def close(self) -> None:
@@ -135,9 +162,9 @@ class InProcessEngineClient:
                         data = line[5:].strip()
                         if data == "[DONE]":
                             return
-                        yield json.loads(data)
+                        yield _event(data)
                 if not message.get("more_body"):
-                    return
+                    raise EngineUnavailable("the in-process engine's stream ended before [DONE]")
         finally:
             disconnect.set()  # the app sees a client that went away: it aborts the engine request
             if not task.done():
@@ -148,7 +175,11 @@ class InProcessEngineClient:
     @staticmethod
     async def _next(chunks: asyncio.Queue[Message], task: asyncio.Task[None]) -> Message:
         getter = asyncio.ensure_future(chunks.get())
-        done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            getter.cancel()  # we are cancelled (the client went away): leave no orphaned getter behind
+            raise
         if getter in done:
             return getter.result()
         getter.cancel()

@@ -58,8 +58,15 @@ async def start_embedded_fleet(settings: Settings) -> tuple[LocalFleet, AsyncEng
         max_model_len=settings.engine_max_model_len,
         kv_budget=parse_memory_budget(settings.engine_kv_budget),
         served_model_name=name,
+        # The rank uploads are validated against: an adapter the platform accepted must be one the engine can serve.
+        max_lora_rank=settings.max_lora_rank,
         s3_endpoint_url=settings.s3_endpoint_url,
         s3_region=settings.s3_region,
+        # The platform's own credentials: the engine reads adapters from the bucket the platform writes them to.
+        s3_access_key_id=settings.s3_access_key_id,
+        s3_secret_access_key=(
+            settings.s3_secret_access_key.get_secret_value() if settings.s3_secret_access_key is not None else None
+        ),
     )
     started = time.perf_counter()
     engine = await AsyncEngine.create(config)

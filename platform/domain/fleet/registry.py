@@ -5,11 +5,20 @@ with a 5 s expiry and adds the id to `{prefix}fleet:engines`); a replica whose k
 heartbeats and is dropped. In the embedded mode the one in-process engine is the fleet.
 
 Routing, among the replicas that serve the request's base model: prefer one where the adapter is resident, then
-the replica this tenant's prefix last went to (its KV blocks may be cached there), then the least loaded.
+the replica this tenant's prefix last went to (its KV blocks may be cached there), then the least loaded. Two
+guards keep those preferences from piling work onto one replica:
+- A replica's announced state is up to a beat (plus the registry cache) old, so the router adds the requests it sent
+  each replica in the last few seconds to its load; a burst spreads instead of all going to the first idle replica.
+- Residency and warmth only choose among replicas whose load is within BALANCE_SLACK of the least loaded one (as
+  SGLang's cache-aware router falls back to the shortest queue when the fleet is out of balance): a hot adapter or a
+  busy tenant is served by a second replica rather than queueing behind itself.
+A replica that refused a connection is left out of routing for UNREACHABLE_S (a crashed engine's key lives on for up
+to its TTL); if every replica of the base model is left out, they are tried anyway.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -30,6 +39,9 @@ ENGINE_KEY = "fleet:engine:{id}"
 AFFINITY_KEY = "fleet:affinity:{key}"
 AFFINITY_TTL_S = 600.0
 _CACHE_S = 0.5  # how long a read of the registry is reused (requests come faster than heartbeats)
+RECENT_S = 2.0  # a request sent this recently may not show in the replica's announced load yet (1 s beats + cache)
+BALANCE_SLACK = 8.0  # load units (a queued request weighs 2, a running one 1) a preferred replica may exceed the least
+UNREACHABLE_S = 5.0  # a replica that refused a connection gets no requests for this long (the registry key's TTL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +97,15 @@ class Replica:
 
 
 class Fleet(Protocol):
-    async def replicas(self) -> list[Replica]: ...
+    async def replicas(self) -> list[Replica]:
+        """The live replicas (for routing and for the admin's list)."""
+        ...
 
     def client(self, replica: Replica) -> EngineClient: ...
+
+    def reachable(self, replica: Replica) -> bool:
+        """False while the replica is known not to answer (a connection to it failed a moment ago)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -101,6 +119,9 @@ class EmptyFleet:
     def client(self, replica: Replica) -> EngineClient:
         raise LookupError("the empty fleet has no replica")
 
+    def reachable(self, replica: Replica) -> bool:
+        return False
+
     async def close(self) -> None:
         return None
 
@@ -112,6 +133,7 @@ class RedisFleet:
         self._kv = kv
         self._clients: dict[str, HttpEngineClient] = {}
         self._cached: tuple[float, list[Replica]] = (0.0, [])
+        self._unreachable_until: dict[str, float] = {}  # replica URL -> monotonic time its exclusion ends
 
     async def replicas(self) -> list[Replica]:
         now = time.monotonic()
@@ -145,8 +167,23 @@ class RedisFleet:
     def client(self, replica: Replica) -> EngineClient:
         client = self._clients.get(replica.url)
         if client is None:
-            client = self._clients[replica.url] = HttpEngineClient(replica.url)
+            url = replica.url
+
+            def unreachable() -> None:
+                logger.warning("engine %s (%s) refused a connection; routing around it", replica.id, url)
+                self._unreachable_until[url] = time.monotonic() + UNREACHABLE_S
+
+            client = self._clients[url] = HttpEngineClient(url, on_unreachable=unreachable)
         return client
+
+    def reachable(self, replica: Replica) -> bool:
+        until = self._unreachable_until.get(replica.url)
+        if until is None:
+            return True
+        if time.monotonic() >= until:
+            del self._unreachable_until[replica.url]
+            return True
+        return False
 
     async def close(self) -> None:
         for client in self._clients.values():
@@ -166,17 +203,24 @@ class LocalFleet:
     def client(self, replica: Replica) -> EngineClient:
         return self.engine_client
 
+    def reachable(self, replica: Replica) -> bool:
+        return True
+
     async def close(self) -> None:
         await self.engine_client.close()
 
 
 class Router:
+    """Picks a replica per request (see the module's docstring); one per platform process."""
+
     def __init__(self, fleet: Fleet, kv: KeyValueStore) -> None:
         self.fleet = fleet
         self._kv = kv
+        self._sent: dict[str, collections.deque[float]] = {}  # replica id -> monotonic times of recent picks
 
     async def pick(self, base_model: str, adapter_digest: str | None, affinity: str | None) -> Replica | None:
-        candidates = [r for r in await self.fleet.replicas() if r.base_model == base_model]
+        serving = [r for r in await self.fleet.replicas() if r.base_model == base_model]
+        candidates = [r for r in serving if self.fleet.reachable(r)] or serving
         if not candidates:
             return None
         warm_id = None
@@ -187,13 +231,29 @@ class Router:
             except (RedisError, OSError):
                 warm_id = None
 
+        now = time.monotonic()
+        recent = self._recent(now)
+        loads = {r.id: r.load + recent.get(r.id, 0) for r in candidates}
+        floor = min(loads.values())
+        balanced = [r for r in candidates if loads[r.id] <= floor + BALANCE_SLACK]
+
         def score(replica: Replica) -> tuple[int, int, float]:
             resident = 0 if adapter_digest is not None and adapter_digest in replica.adapters else 1
             warm = 0 if replica.id == warm_id else 1
-            return (resident, warm, replica.load)
+            return (resident, warm, loads[replica.id])
 
-        chosen = min(candidates, key=score)
+        chosen = min(balanced, key=score)
+        self._sent.setdefault(chosen.id, collections.deque()).append(now)
         if affinity is not None and chosen.id != warm_id:
             with contextlib.suppress(RedisError, OSError):
                 await self._kv.set(AFFINITY_KEY.format(key=affinity), chosen.id.encode(), ttl_s=AFFINITY_TTL_S)
         return chosen
+
+    def _recent(self, now: float) -> dict[str, int]:
+        """Requests sent to each replica in the last RECENT_S seconds; older picks (and idle replicas) are forgotten."""
+        for replica_id, sent in list(self._sent.items()):
+            while sent and sent[0] <= now - RECENT_S:
+                sent.popleft()
+            if not sent:
+                del self._sent[replica_id]
+        return {replica_id: len(sent) for replica_id, sent in self._sent.items()}

@@ -1,0 +1,942 @@
+"""Completions in fleet mode, end to end: the platform (uvicorn, `engine_mode="fleet"`) finds engines in the Redis
+registry and streams from them over HTTP; the engine is its own `loraplex engine serve` process reading adapters from
+S3 under its --adapter-root. Real Postgres, Redis and SeaweedFS; the `openai` package is the client.
+
+One engine process, one platform server and one tenant (with an endpoint over a real PEFT adapter) serve the whole
+module. The tests run in file order and share that state; the last one kills the engine, so it stays last.
+
+A second replica, where one is needed, is a stub engine in this process: it records what the platform sent it and
+answers one canned chunk, and the test writes its registry entry (as engine/registration.py would) until its heartbeat
+is meant to stop. The router's balancing rules are also checked on their own, over a fixed list of replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+import uvicorn
+from _support import services
+from _support.adapters import make_peft_adapter
+from _support.services import PostgresServer, RedisServer, S3Server
+from openai.types.chat import ChatCompletionChunk
+
+from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
+from loraplex.platform.app import create_app
+from loraplex.platform.domain.fleet.client import EngineClient
+from loraplex.platform.domain.fleet.registry import BALANCE_SLACK, Replica, Router
+from loraplex.platform.kv import RedisStore
+from loraplex.platform.settings import Settings
+
+from .conftest import ADMIN_TOKEN, SECRET_KEY, bearer, migrate
+
+pytestmark = pytest.mark.integration
+
+BASE = "tiny-fleet-base"  # the platform's name of the base model, and the engine's --base-model-name
+ENDPOINT = "support-bot"
+ENGINE_ID = "engine-1"
+MAX_MODEL_LEN = 1024  # the tiny checkpoint's max_position_embeddings
+PROMPT = "Write a long story about a lighthouse keeper and the ships that pass by at night."
+MAX_TOKENS = 12
+HEARTBEAT_TTL_MS = 5000  # the engine's registry key lives this long after its last beat
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
+
+
+# --- module fixtures: services, engine process, platform server, tenant -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def settings(
+    tmp_path_factory: pytest.TempPathFactory,
+    postgres_server: PostgresServer,
+    redis_server: RedisServer,
+    s3_server: S3Server,
+    session_tag: str,
+) -> Iterator[Settings]:
+    """Fleet-mode settings on a database, Redis prefix and bucket of this module's own, removed after it."""
+    database = f"t_{session_tag}_{secrets.token_hex(4)}"
+    bucket = f"t-{session_tag}-{secrets.token_hex(4)}"
+    prefix = f"t{session_tag}{secrets.token_hex(4)}:"
+    asyncio.run(services.create_database(postgres_server.url, database))
+    s3 = services.s3_client(s3_server)
+    s3.create_bucket(Bucket=bucket)
+    try:
+        value = Settings(
+            data_dir=tmp_path_factory.mktemp("data"),
+            database_url=services.database_url_for(postgres_server.url, database),
+            redis_url=redis_server.url,
+            redis_prefix=prefix,
+            s3_bucket=bucket,
+            s3_endpoint_url=s3_server.endpoint_url,
+            s3_region=s3_server.region,
+            s3_access_key_id=s3_server.access_key_id,
+            s3_secret_access_key=s3_server.secret_access_key,
+            admin_token=ADMIN_TOKEN,
+            secret_key=SECRET_KEY,
+            engine_mode="fleet",
+            default_requests_per_minute=100_000,  # rate limits are test_ratelimit.py's; bursts here must pass
+        )
+        asyncio.run(migrate(value))
+        yield value
+    finally:
+        services.purge_bucket(s3, bucket)
+        s3.close()
+        asyncio.run(services.delete_redis_keys(redis_server.url, prefix))
+        asyncio.run(services.drop_database(postgres_server.url, database))
+
+
+def _free_ports(count: int) -> list[int]:
+    # Below 55535 and clear of +10000: SeaweedFS servers other sessions start take such pairs.
+    return services.free_port_pairs(count)
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval_s)
+    return condition()
+
+
+@dataclass
+class EngineProcess:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def kill(self) -> None:
+        """SIGKILL: no clean shutdown, so no withdrawal from the registry; its key expires on its own."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def engine(
+    settings: Settings, tiny_base_checkpoint: Path, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    """`loraplex engine serve` as its own process, registered in the platform's Redis under ENGINE_ID."""
+    assert settings.redis_url is not None and settings.s3_endpoint_url is not None
+    (port,) = _free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    command = [
+        str(Path(sys.executable).with_name("loraplex")),
+        "engine",
+        "serve",
+        "--model",
+        str(tiny_base_checkpoint),
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--num-threads",
+        "1",
+        "--kv-budget",
+        "16MiB",
+        "--redis-url",
+        settings.redis_url,
+        "--redis-prefix",
+        settings.redis_prefix,
+        "--engine-id",
+        ENGINE_ID,
+        "--public-url",
+        url,
+        "--base-model-name",
+        BASE,
+        "--adapter-root",
+        f"s3://{settings.s3_bucket}/tenants/",
+        "--s3-endpoint-url",
+        settings.s3_endpoint_url,
+    ]
+    # The engine reads S3 with boto3's default credential chain.
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
+        "AWS_DEFAULT_REGION": s3_server.region,
+    }
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+    running = EngineProcess(process, url, log)
+    try:
+        started = _wait_for(lambda: process.poll() is not None or _healthy(url), timeout_s=90, interval_s=0.2)
+        assert started and process.poll() is None, f"the engine did not start:\n{running.log_tail()}"
+        yield running
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@dataclass
+class Platform:
+    url: str
+
+    def get(self, path: str, headers: dict[str, str]) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", headers=headers, timeout=30)
+
+    def post(self, path: str, headers: dict[str, str], **kwargs: Any) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", headers=headers, timeout=60, **kwargs)
+
+    def engines(self) -> dict[str, dict[str, Any]]:
+        """GET /admin/engines, by replica id."""
+        response = self.get("/admin/engines", ADMIN)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["object"] == "list"
+        return {replica["id"]: replica for replica in body["data"]}
+
+
+@pytest.fixture(scope="module")
+def platform(settings: Settings, tiny_base_checkpoint: Path) -> Iterator[Platform]:
+    """The platform app on uvicorn (lifespan included) in a thread with its own event loop; BASE registered."""
+    (port,) = _free_ports(1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", lifespan="on"))
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(server.serve(sockets=[sock]))
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="platform-server", daemon=True)
+    thread.start()
+    try:
+        assert _wait_for(lambda: server.started or not thread.is_alive(), timeout_s=60), "the platform did not start"
+        assert server.started, f"the platform failed to start: {failure!r}"
+        value = Platform(f"http://127.0.0.1:{port}")
+        response = value.post("/admin/base-models", ADMIN, json={"name": BASE, "source": str(tiny_base_checkpoint)})
+        assert response.status_code == 201, response.text
+        yield value
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        sock.close()
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    key: str
+    adapter_id: str
+    digest: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return bearer(self.key)
+
+    def openai(self, platform: Platform) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{platform.url}/v1", api_key=self.key, max_retries=0, timeout=60)
+
+    def source(self, bucket: str | None) -> str:
+        """Where the platform stored the adapter: the s3:// folder of its two files."""
+        return f"s3://{bucket}/tenants/{self.id}/adapters/{self.adapter_id}"
+
+
+@pytest.fixture(scope="module")
+def tenant(platform: Platform, tiny_base_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Tenant:
+    """A tenant with a key, a random PEFT adapter uploaded through the API, and ENDPOINT over it."""
+    response = platform.post("/admin/tenants", ADMIN, json={"name": f"fleet-{secrets.token_hex(3)}"})
+    assert response.status_code == 201, response.text
+    tenant_id = response.json()["id"]
+    response = platform.post(f"/admin/tenants/{tenant_id}/api-keys", ADMIN, json={"name": "k"})
+    assert response.status_code == 201, response.text
+    key = response.json()["key"]
+
+    folder = make_peft_adapter(
+        tiny_base_checkpoint,
+        tmp_path_factory.mktemp("adapter") / "adapter",
+        seed=1,
+        r=8,
+        lora_alpha=16,
+        target_modules="all-linear",
+    )
+    files = {name: (name, (folder / name).read_bytes()) for name in (CONFIG_FILE, WEIGHTS_FILE)}
+    response = platform.post(
+        "/v1/adapters", bearer(key), data={"name": "support-adapter", "base_model": BASE}, files=files
+    )
+    assert response.status_code == 201, response.text
+    adapter = response.json()
+    assert adapter["status"] == "ready"
+    response = platform.post(
+        "/v1/endpoints", bearer(key), json={"name": ENDPOINT, "base_model": BASE, "adapter_id": adapter["id"]}
+    )
+    assert response.status_code == 201, response.text
+    return Tenant(tenant_id, key, adapter["id"], adapter["digest"])
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------
+
+
+def _engine_chat(engine: EngineProcess, lora_adapter: dict[str, str] | None = None, **body: Any) -> dict[str, Any]:
+    """A chat completion straight from the engine, as the platform would ask for it (greedy, MAX_TOKENS)."""
+    request: dict[str, Any] = {
+        "model": BASE,
+        "messages": MESSAGES,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        **body,
+    }
+    if lora_adapter is not None:
+        request["lora_adapter"] = lora_adapter
+    response = httpx.post(f"{engine.url}/v1/chat/completions", json=request, timeout=60)
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
+def _lora_adapter(tenant: Tenant, settings: Settings) -> dict[str, str]:
+    return {"name": "support-adapter@v1", "source": tenant.source(settings.s3_bucket), "digest": tenant.digest}
+
+
+def _chat_text(tenant: Tenant, platform: Platform, model: str = ENDPOINT, **extra: Any) -> str:
+    answer = tenant.openai(platform).chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, **extra
+    )
+    assert answer.model == model
+    return answer.choices[0].message.content or ""
+
+
+def _envelope(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error: dict[str, Any] = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return error
+
+
+def _num_tokens(chunks: list[ChatCompletionChunk]) -> int:
+    """Tokens in these chunks, counted from their logprobs (one entry per token)."""
+    return sum(len(choice.logprobs.content or []) for c in chunks for choice in c.choices if choice.logprobs)
+
+
+def _long_stream(tenant: Tenant, platform: Platform) -> openai.Stream[ChatCompletionChunk]:
+    """A greedy stream that runs to its max_tokens (this adapter's text for PROMPT has no EOS in it)."""
+    return tenant.openai(platform).chat.completions.create(
+        model=ENDPOINT,
+        messages=MESSAGES,
+        max_tokens=MAX_MODEL_LEN - 200,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+
+
+def _usage_row(platform: Platform, tenant: Tenant, request_id: str) -> dict[str, Any] | None:
+    response = platform.get("/v1/usage", tenant.headers)
+    assert response.status_code == 200, response.text
+    return next((row for row in response.json()["data"] if row["request_id"] == request_id), None)
+
+
+# --- completions through the platform ---------------------------------------------------------------------------
+
+
+def test_chat_through_the_platform_runs_the_endpoints_adapter_on_the_engine(
+    settings: Settings, engine: EngineProcess, platform: Platform, tenant: Tenant
+) -> None:
+    client = tenant.openai(platform)
+    direct = _engine_chat(engine, _lora_adapter(tenant, settings))
+    base = _engine_chat(engine)
+    expected = direct["choices"][0]["message"]["content"]
+    assert expected != base["choices"][0]["message"]["content"], "the adapter must change this prompt's greedy text"
+
+    raw = client.chat.completions.with_raw_response.create(
+        model=ENDPOINT, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert raw.status_code == 200
+    answer = raw.parse()
+    assert answer.id.startswith("chatcmpl-") and answer.id != direct["id"]
+    assert answer.model == ENDPOINT
+    assert answer.choices[0].message.content == expected
+    assert answer.choices[0].finish_reason == direct["choices"][0]["finish_reason"]
+    assert answer.usage is not None
+    assert answer.usage.prompt_tokens == direct["usage"]["prompt_tokens"] > 0
+    assert answer.usage.completion_tokens == direct["usage"]["completion_tokens"] > 0
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+    assert answer.usage.prompt_tokens_details is not None
+    assert answer.usage.prompt_tokens_details.cached_tokens is not None
+
+    raw_stream = client.chat.completions.with_raw_response.create(
+        model=ENDPOINT,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert raw_stream.status_code == 200
+    assert raw_stream.headers["content-type"].startswith("text/event-stream")
+    chunks = list(raw_stream.parse())
+    *content, last = chunks
+    assert {chunk.id for chunk in chunks} == {chunks[0].id} and chunks[0].id.startswith("chatcmpl-")
+    assert {chunk.model for chunk in chunks} == {ENDPOINT}
+    assert "".join(c.choices[0].delta.content or "" for c in content) == expected
+    assert all(chunk.usage is None for chunk in content)  # running usage is the platform's, not the client's
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        answer.usage.prompt_tokens,
+        answer.usage.completion_tokens,
+    )
+    assert last.usage.prompt_tokens_details is not None
+    cached = last.usage.prompt_tokens_details.cached_tokens
+    # The same prompt on the same adapter again: its full KV blocks come from the prefix cache, and say so.
+    assert cached is not None and 0 < cached < last.usage.prompt_tokens
+
+
+def _cached_tokens(key: str, platform: Platform) -> int:
+    answer = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=key, max_retries=0).chat.completions.create(
+        model=BASE, messages=MESSAGES, max_tokens=2, temperature=0
+    )
+    assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    return cached
+
+
+def test_the_prefix_cache_is_shared_within_a_tenant_only(
+    engine: EngineProcess, platform: Platform, tenant: Tenant
+) -> None:
+    response = platform.post("/admin/tenants", ADMIN, json={"name": f"other-{secrets.token_hex(3)}"})
+    assert response.status_code == 201, response.text
+    response = platform.post(f"/admin/tenants/{response.json()['id']}/api-keys", ADMIN, json={"name": "k"})
+    assert response.status_code == 201, response.text
+    other_key = response.json()["key"]
+
+    _cached_tokens(tenant.key, platform)
+    assert _cached_tokens(tenant.key, platform) > 0
+    assert _cached_tokens(other_key, platform) == 0  # the same tokens, another tenant: nothing to see
+    assert _cached_tokens(other_key, platform) > 0
+
+
+def test_a_tenant_cannot_name_adapter_files_itself(platform: Platform, tenant: Tenant) -> None:
+    body = {
+        "model": BASE,
+        "messages": MESSAGES,
+        "max_tokens": 2,
+        "lora_adapter": {"name": "x", "source": "s3://anything/else", "digest": tenant.digest},
+    }
+    response = platform.post("/v1/chat/completions", tenant.headers, json=body)
+    assert response.status_code == 400
+    error = _envelope(response)
+    assert error["type"] == "invalid_request_error"
+    assert "lora_adapter" in f"{error['param']} {error['message']}"
+
+
+def test_legacy_completions_run_the_adapter_too(
+    settings: Settings, engine: EngineProcess, platform: Platform, tenant: Tenant
+) -> None:
+    request = {"model": BASE, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    direct = httpx.post(
+        f"{engine.url}/v1/completions", json={**request, "lora_adapter": _lora_adapter(tenant, settings)}, timeout=60
+    )
+    assert direct.status_code == 200, direct.text
+    answer = tenant.openai(platform).completions.create(
+        model=ENDPOINT, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert answer.object == "text_completion" and answer.model == ENDPOINT
+    assert answer.choices[0].text == direct.json()["choices"][0]["text"]
+    assert answer.usage is not None and answer.usage.completion_tokens == direct.json()["usage"]["completion_tokens"]
+
+
+def test_the_engine_refuses_a_source_outside_its_adapter_root(
+    settings: Settings, engine: EngineProcess, tenant: Tenant
+) -> None:
+    for source in (
+        f"s3://{settings.s3_bucket}/elsewhere/{tenant.adapter_id}",
+        f"s3://{settings.s3_bucket}/tenants-x/{tenant.id}/adapters/{tenant.adapter_id}",
+        f"s3://other-{settings.s3_bucket}/tenants/{tenant.id}/adapters/{tenant.adapter_id}",
+    ):
+        spec = {**_lora_adapter(tenant, settings), "source": source}
+        body = {"model": BASE, "messages": MESSAGES, "max_tokens": 2, "lora_adapter": spec}
+        response = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 400, (source, response.text)
+        assert _envelope(response)["code"] == "lora_adapter_source_not_allowed"
+
+
+# --- the fleet as the admin sees it ------------------------------------------------------------------------------
+
+
+def test_admin_engines_lists_the_replica_with_its_adapters_and_load(
+    engine: EngineProcess, platform: Platform, tenant: Tenant
+) -> None:
+    _chat_text(tenant, platform)  # the adapter is resident on the engine from here on
+
+    def listed_idle_with_adapter() -> bool:  # a beat taken while the request ran shows it running
+        replica = platform.engines().get(ENGINE_ID)
+        return replica is not None and replica["adapters"] == [tenant.digest] and replica["num_running"] == 0
+
+    assert _wait_for(listed_idle_with_adapter, timeout_s=5), f"adapter not listed: {platform.engines()}"
+    replica = platform.engines()[ENGINE_ID]
+    assert (replica["url"], replica["base_model"]) == (engine.url, BASE)
+    assert 0 < replica["free_pages"] <= replica["num_pages"]
+    assert 0 <= replica["evictable_pages"] <= replica["num_pages"]
+    assert (replica["num_waiting"], replica["num_running"]) == (0, 0)
+    assert replica["max_model_len"] == MAX_MODEL_LEN
+    assert abs(replica["updated_at"] - time.time()) < 5
+
+    refused = platform.get("/admin/engines", tenant.headers)  # a tenant key is not an admin token
+    assert refused.status_code == 401
+    assert refused.json()["code"] == "unauthenticated"  # /admin answers in problem+json
+
+
+# --- routing between replicas ------------------------------------------------------------------------------------
+
+
+STUB_TEXT = "stub-engine-reply"
+
+
+def _stub_events(*, cut_off: bool = False) -> bytes:
+    """What the stub answers: STUB_TEXT in one chunk, the finish and usage chunks, [DONE]; or (`cut_off`) only the
+    first chunk, as a body that ends where a crashed or restarted proxy cut it."""
+    usage = {
+        "prompt_tokens": 3,
+        "completion_tokens": 1,
+        "total_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    head = {"id": "stub", "object": "chat.completion.chunk", "created": 0, "model": BASE}
+    events = [
+        {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": STUB_TEXT}}], "usage": usage},
+        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": usage},
+        {**head, "choices": [], "usage": usage},
+    ]
+    if cut_off:
+        return f"data: {json.dumps(events[0])}\n\n".encode()
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
+@dataclass
+class StubEngine:
+    """A replica that answers every completion with STUB_TEXT and records the request bodies it got."""
+
+    url: str
+    # "engine-0-..." sorts before ENGINE_ID: of two equally loaded replicas the router takes the stub. Each stub has
+    # its own id, as the router remembers what it sent to which replica id.
+    id: str = field(default_factory=lambda: f"engine-0-{secrets.token_hex(3)}")
+    base_model: str = BASE
+    received: list[dict[str, Any]] = field(default_factory=list)
+    answer: bytes = field(default_factory=_stub_events)
+    release: threading.Event = field(default_factory=threading.Event)  # answers wait for it (set: at once)
+
+    def record(self, adapters: list[str]) -> dict[str, Any]:
+        """Its registry entry: idle and empty, so that only residency or affinity can beat it."""
+        return {
+            "id": self.id,
+            "url": self.url,
+            "base_model": self.base_model,
+            "adapters": adapters,
+            "free_pages": 1000,
+            "evictable_pages": 0,
+            "num_pages": 1000,
+            "num_waiting": 0,
+            "num_running": 0,
+            "max_model_len": MAX_MODEL_LEN,
+            "updated_at": time.time(),
+        }
+
+
+@pytest.fixture
+def stub_engine() -> Iterator[StubEngine]:
+    (port,) = _free_ports(1)
+    stub = StubEngine(f"http://127.0.0.1:{port}")
+    stub.release.set()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # http.server's name
+            length = int(self.headers.get("Content-Length", "0"))
+            stub.received.append(json.loads(self.rfile.read(length)))
+            stub.release.wait(60)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+            self.wfile.write(stub.answer)
+
+        def log_message(self, format: str, *args: Any) -> None:  # http.server's signature
+            return None
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256  # the listen backlog: a burst of connections must not be dropped
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", port), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="stub-engine", daemon=True)
+    thread.start()
+    try:
+        yield stub
+    finally:
+        stub.release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+class Heartbeat:
+    """Writes one replica's registry entry every second with engine/registration.py's keys and expiry."""
+
+    def __init__(self, redis_url: str, prefix: str, record: Callable[[], dict[str, Any]]) -> None:
+        self._client = redis.Redis.from_url(redis_url)
+        self._prefix = prefix
+        self.record = record
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stub-heartbeat", daemon=True)
+
+    def beat(self) -> None:
+        record = self.record()
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(f"{self._prefix}fleet:engine:{record['id']}", json.dumps(record), px=HEARTBEAT_TTL_MS)
+        pipe.sadd(f"{self._prefix}fleet:engines", record["id"])
+        pipe.execute()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.beat()
+
+    def start(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """The replica goes silent (as a crashed one would): no withdrawal, its key expires on its own."""
+        self._stop.set()
+        self._thread.join(5)
+
+    def withdraw(self) -> None:
+        record = self.record()
+        self._client.delete(f"{self._prefix}fleet:engine:{record['id']}")
+        self._client.srem(f"{self._prefix}fleet:engines", record["id"])
+
+    def members(self) -> set[str]:
+        return {m.decode() for m in self._client.smembers(f"{self._prefix}fleet:engines")}
+
+    def close(self) -> None:
+        self.stop()
+        self._client.close()
+
+
+def test_router_prefers_the_resident_adapter_and_drops_a_silent_replica(
+    settings: Settings, engine: EngineProcess, platform: Platform, tenant: Tenant, stub_engine: StubEngine
+) -> None:
+    assert settings.redis_url is not None
+    expected = _engine_chat(engine, _lora_adapter(tenant, settings))["choices"][0]["message"]["content"]
+    base_text = _engine_chat(engine)["choices"][0]["message"]["content"]
+    assert _chat_text(tenant, platform) == expected  # one replica: the adapter becomes resident on it
+    assert _wait_for(lambda: platform.engines()[ENGINE_ID]["adapters"] == [tenant.digest], timeout_s=5)
+
+    stub_adapters: list[str] = []
+    heartbeat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: stub_engine.record(stub_adapters))
+    heartbeat.start()
+    try:
+        assert _wait_for(lambda: set(platform.engines()) == {ENGINE_ID, stub_engine.id}, timeout_s=3)
+        cache_key = f"k-{secrets.token_hex(4)}"
+
+        # No adapter and no warm replica: the idle stub wins on load (its id breaks the tie), and this prompt cache
+        # key is warm on the stub from now on.
+        assert _chat_text(tenant, platform, BASE, prompt_cache_key=cache_key) == STUB_TEXT
+        assert len(stub_engine.received) == 1
+        assert "lora_adapter" not in stub_engine.received[0]
+
+        # The adapter is resident only on the engine: that beats the stub's warm cache key and its lower load.
+        assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == expected
+        assert len(stub_engine.received) == 1
+
+        # Resident on both: the replica the key last went to wins (the engine, although the stub sorts first), and a
+        # new key goes to the stub, which is sent the adapter by its S3 folder and digest, never a tenant's path.
+        stub_adapters.append(tenant.digest)
+        heartbeat.beat()
+        assert _wait_for(lambda: platform.engines()[stub_engine.id]["adapters"] == [tenant.digest], timeout_s=3)
+        assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == expected
+        assert len(stub_engine.received) == 1
+        cache_key = f"k-{secrets.token_hex(4)}"
+        assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == STUB_TEXT
+        sent = stub_engine.received[-1]
+        assert sent["model"] == BASE and sent["stream"] is True
+        assert sent["lora_adapter"] == {
+            "name": "support-adapter@v1",
+            "source": f"s3://{settings.s3_bucket}/tenants/{tenant.id}/adapters/{tenant.adapter_id}",
+            "digest": tenant.digest,
+        }
+        assert (sent["max_tokens"], sent["temperature"]) == (MAX_TOKENS, 0)
+        assert "prompt_cache_key" not in sent and "user" not in sent
+
+        # The stub's heartbeat stops: within the key's life it leaves the list and the routing, and the engine
+        # serves what would have gone to it.
+        heartbeat.stop()
+        silent_since = time.monotonic()
+        assert _wait_for(lambda: set(platform.engines()) == {ENGINE_ID}, timeout_s=HEARTBEAT_TTL_MS / 1000 + 3)
+        assert time.monotonic() - silent_since > HEARTBEAT_TTL_MS / 1000 - 2  # it was listed while its key lived
+        assert heartbeat.members() == {ENGINE_ID}  # the reader removed the expired member
+        num_received = len(stub_engine.received)
+        assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == expected
+        assert _chat_text(tenant, platform, BASE, prompt_cache_key=cache_key) == base_text
+        assert len(stub_engine.received) == num_received
+    finally:
+        heartbeat.close()
+
+
+def test_a_stream_the_engine_cuts_off_ends_with_an_error_and_is_billed_as_one(
+    settings: Settings, engine: EngineProcess, platform: Platform, tenant: Tenant, stub_engine: StubEngine
+) -> None:
+    assert settings.redis_url is not None and engine.process.poll() is None
+    stub_engine.answer = _stub_events(cut_off=True)
+    heartbeat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: stub_engine.record([]))
+    heartbeat.start()  # idle and sorting first: a new cache key's base-model requests go to the stub
+    try:
+        assert _wait_for(lambda: set(platform.engines()) == {ENGINE_ID, stub_engine.id}, timeout_s=3)
+        stream = tenant.openai(platform).chat.completions.create(
+            model=BASE, messages=MESSAGES, stream=True, prompt_cache_key=f"k-{secrets.token_hex(4)}"
+        )
+        chunks: list[ChatCompletionChunk] = []
+        with pytest.raises(openai.APIError) as info:
+            chunks.extend(stream)
+        assert len(stub_engine.received) == 1
+        assert "unavailable" in info.value.message
+        assert [c.choices[0].delta.content for c in chunks] == [STUB_TEXT]
+
+        assert _wait_for(lambda: _usage_row(platform, tenant, chunks[0].id) is not None, timeout_s=5)
+        row = _usage_row(platform, tenant, chunks[0].id)
+        assert row is not None and (row["status"], row["completion_tokens"]) == ("error", 1)
+    finally:
+        heartbeat.stop()
+        heartbeat.withdraw()
+        heartbeat.close()
+
+
+def test_an_engine_gets_more_concurrent_requests_than_an_http_pool_default(
+    settings: Settings, tiny_base_checkpoint: Path, platform: Platform, tenant: Tenant, stub_engine: StubEngine
+) -> None:
+    """The engine does the queueing (and tells the router about it): the platform must not hold requests back."""
+    assert settings.redis_url is not None
+    num_requests = 110  # httpx's default pool takes 100 connections per client
+    response = platform.post(
+        "/admin/base-models", ADMIN, json={"name": "stub-base", "source": str(tiny_base_checkpoint)}
+    )
+    assert response.status_code == 201, response.text
+    stub_engine.base_model = "stub-base"
+    stub_engine.release.clear()  # the stub holds every request until all have arrived
+    heartbeat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: stub_engine.record([]))
+    heartbeat.start()
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=None)
+        async with httpx.AsyncClient(base_url=platform.url, headers=tenant.headers, timeout=60, limits=limits) as http:
+            body = {"model": "stub-base", "messages": MESSAGES, "max_tokens": 2}
+            return await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(num_requests)))
+
+    try:
+        assert _wait_for(lambda: stub_engine.id in platform.engines(), timeout_s=3)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answers = pool.submit(asyncio.run, burst())
+            _wait_for(lambda: len(stub_engine.received) == num_requests, timeout_s=30)
+            num_arrived = len(stub_engine.received)
+            stub_engine.release.set()
+            responses = answers.result(timeout=60)
+        assert num_arrived == num_requests, f"only {num_arrived} of {num_requests} requests reached the engine at once"
+        assert [r.status_code for r in responses] == [200] * num_requests
+        assert {r.json()["choices"][0]["message"]["content"] for r in responses} == {STUB_TEXT}
+    finally:
+        heartbeat.stop()
+        heartbeat.withdraw()
+        heartbeat.close()
+
+
+def test_a_replica_that_refuses_connections_is_routed_around(
+    settings: Settings, engine: EngineProcess, platform: Platform, tenant: Tenant
+) -> None:
+    """A crashed engine's key outlives it by up to its TTL: one request finds out, the next ones go elsewhere."""
+    assert settings.redis_url is not None
+    (closed_port,) = _free_ports(1)  # nothing listens there
+    ghost = StubEngine(f"http://127.0.0.1:{closed_port}")
+    expected = _engine_chat(engine, _lora_adapter(tenant, settings))["choices"][0]["message"]["content"]
+    heartbeat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: ghost.record([tenant.digest]))
+    heartbeat.start()  # still beating, adapter resident, idle, sorting first: the router's first choice
+    try:
+        assert _wait_for(lambda: set(platform.engines()) == {ENGINE_ID, ghost.id}, timeout_s=3)
+        cache_key = f"k-{secrets.token_hex(4)}"  # warm nowhere yet
+        body = {"model": ENDPOINT, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "prompt_cache_key": cache_key}
+        response = platform.post("/v1/chat/completions", tenant.headers, json=body)
+        assert response.status_code == 503, response.text
+        assert _envelope(response)["code"] == "engine_unavailable"
+        for _ in range(3):  # the key is warm on the ghost now, and the ghost is still its best choice otherwise
+            assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == expected
+        assert ghost.id in platform.engines()  # still registered (its key lives): only the routing avoids it
+    finally:
+        heartbeat.stop()
+        heartbeat.withdraw()
+        heartbeat.close()
+
+
+# --- the router's choices, on real Redis -------------------------------------------------------------------------
+
+
+class StaticFleet:
+    """A fleet whose replicas the test sets."""
+
+    def __init__(self, replicas: list[Replica]) -> None:
+        self.replicas_now = replicas
+
+    async def replicas(self) -> list[Replica]:
+        return self.replicas_now
+
+    def client(self, replica: Replica) -> EngineClient:
+        raise AssertionError("the router never opens clients")
+
+    def reachable(self, replica: Replica) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+async def router_kv(redis_server: RedisServer, redis_prefix: str) -> AsyncIterator[RedisStore]:
+    kv = RedisStore(redis_server.url, prefix=redis_prefix)
+    try:
+        yield kv
+    finally:
+        await kv.close()
+
+
+def _idle(replica_id: str, **changes: Any) -> Replica:
+    return Replica(id=replica_id, url=f"http://{replica_id}", base_model=BASE, num_pages=100, free_pages=100, **changes)
+
+
+async def test_a_burst_spreads_over_idle_replicas(router_kv: RedisStore) -> None:
+    router = Router(StaticFleet([_idle("a"), _idle("b"), _idle("c")]), router_kv)
+    picks = [await router.pick(BASE, None, None) for _ in range(6)]
+    assert sorted(p.id for p in picks if p is not None) == ["a", "a", "b", "b", "c", "c"]
+    assert await router.pick("another-model", None, None) is None
+
+
+async def test_residency_and_warmth_win_only_while_the_load_is_in_balance(router_kv: RedisStore) -> None:
+    digest = "sha256:" + "ab" * 32
+    busy = _idle("a", adapters=frozenset({digest}), num_waiting=int(BALANCE_SLACK // 2) + 1)
+    fleet = StaticFleet([busy, _idle("b")])
+    router = Router(fleet, router_kv)
+    picked = await router.pick(BASE, digest, "tenant-1:")
+    assert picked is not None and picked.id == "b"  # resident, but queueing more than the slack allows
+
+    fleet.replicas_now = [_idle("a", adapters=frozenset({digest}), num_waiting=2), _idle("b")]
+    router = Router(fleet, router_kv)
+    picked = await router.pick(BASE, digest, "tenant-2:")
+    assert picked is not None and picked.id == "a"  # a short queue is worth the resident adapter
+
+    # The tenant's prefix went to "b" last: without an adapter to decide, it goes there again, until "b" has taken
+    # more than the slack's worth of recent requests.
+    fleet.replicas_now = [_idle("a"), _idle("b")]
+    router = Router(fleet, router_kv)
+    chosen = [await router.pick(BASE, None, "tenant-1:") for _ in range(int(BALANCE_SLACK) + 2)]
+    ids = [c.id for c in chosen if c is not None]
+    assert ids[: int(BALANCE_SLACK) + 1] == ["b"] * (int(BALANCE_SLACK) + 1)
+    assert ids[-1] == "a"
+
+
+# --- an engine that dies (stays last: it kills the module's engine) ----------------------------------------------
+
+
+def test_a_client_that_goes_away_stops_the_engine_and_is_billed_for_what_it_got(
+    engine: EngineProcess, platform: Platform, tenant: Tenant
+) -> None:
+    def engine_state() -> dict[str, Any]:
+        state: dict[str, Any] = httpx.get(f"{engine.url}/v1/state", timeout=10).json()
+        return state
+
+    steps_before = engine_state()["num_steps"]  # one decode step per token: nothing else runs on this engine now
+    stream = _long_stream(tenant, platform)
+    chunks: list[ChatCompletionChunk] = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if _num_tokens(chunks) >= 8:
+            break
+    stream.close()
+
+    assert _wait_for(lambda: engine_state()["num_running"] == 0, timeout_s=5), engine_state()
+    # The request asked for MAX_MODEL_LEN - 200 tokens; the engine stopped soon after the client left.
+    assert engine_state()["num_steps"] - steps_before < MAX_MODEL_LEN // 4
+
+    assert _wait_for(lambda: _usage_row(platform, tenant, chunks[0].id) is not None, timeout_s=5)
+    row = _usage_row(platform, tenant, chunks[0].id)
+    assert row is not None and row["status"] == "cancelled"
+    # Billed what was sent: at least what this client read, and far from the whole answer.
+    assert _num_tokens(chunks) <= row["completion_tokens"] < MAX_MODEL_LEN // 2
+
+
+def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error_and_bills_what_was_sent(
+    engine: EngineProcess, platform: Platform, tenant: Tenant
+) -> None:
+    stream = _long_stream(tenant, platform)
+    chunks: list[ChatCompletionChunk] = []
+
+    def read_and_kill() -> None:
+        """Read the stream; once 8 tokens have arrived, SIGKILL the engine (and keep reading)."""
+        for chunk in stream:
+            chunks.append(chunk)
+            if _num_tokens(chunks) >= 8:
+                engine.kill()
+
+    with pytest.raises(openai.APIError) as info:
+        read_and_kill()
+    assert engine.process.poll() is not None, "the stream failed before the engine was killed"
+    assert all(choice.finish_reason is None for c in chunks for choice in c.choices), "it ended before the kill"
+    num_tokens = _num_tokens(chunks)  # handed to the client
+    assert "engine" in info.value.message and "unavailable" in info.value.message
+    request_id = chunks[0].id
+    assert _wait_for(lambda: _usage_row(platform, tenant, request_id) is not None, timeout_s=5), "no usage row"
+    row = _usage_row(platform, tenant, request_id)
+    assert row is not None
+    assert row["status"] == "error"
+    assert row["model"] == ENDPOINT
+    assert row["completion_tokens"] == num_tokens  # exactly what the client got before the break
+    assert row["prompt_tokens"] > 0
+
+    # No beats any more: once the key has expired the engine leaves the fleet, and nothing serves the base model.
+    assert _wait_for(lambda: ENGINE_ID not in platform.engines(), timeout_s=HEARTBEAT_TTL_MS / 1000 + 3)
+    body = {"model": ENDPOINT, "messages": MESSAGES, "max_tokens": 2}
+    for stream_it in (False, True):
+        response = platform.post("/v1/chat/completions", tenant.headers, json={**body, "stream": stream_it})
+        assert response.status_code == 503, response.text
+        error = _envelope(response)
+        assert (error["type"], error["code"]) == ("server_error", "engine_unavailable")
+        assert BASE in error["message"]
+    with pytest.raises(openai.InternalServerError) as refused:
+        _chat_text(tenant, platform)
+    assert refused.value.status_code == 503
