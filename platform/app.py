@@ -24,6 +24,7 @@ from loraplex.platform.dependencies import (
 from loraplex.platform.domain.adapters.controllers import adapter_controller
 from loraplex.platform.domain.api_keys.controllers import AdminApiKeyController, TenantApiKeyController
 from loraplex.platform.domain.base_models.controllers import AdminBaseModelController
+from loraplex.platform.domain.billing.controllers import AdminBillingController, AdminPriceController
 from loraplex.platform.domain.completions.controllers import CompletionsController
 from loraplex.platform.domain.endpoints.controllers import EndpointController
 from loraplex.platform.domain.fleet.controllers import AdminEngineController
@@ -75,7 +76,14 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
     )
     admin = Router(
         path="/admin",
-        route_handlers=[AdminTenantController, AdminApiKeyController, AdminBaseModelController, AdminEngineController],
+        route_handlers=[
+            AdminTenantController,
+            AdminApiKeyController,
+            AdminBaseModelController,
+            AdminEngineController,
+            AdminPriceController,
+            AdminBillingController,
+        ],
         guards=[require_admin],
         dependencies={"admin": Provide(provide_admin)},
         security=[{"AdminToken": []}],

@@ -697,6 +697,9 @@ def test_router_prefers_the_resident_adapter_and_drops_a_silent_replica(
         }
         assert (sent["max_tokens"], sent["temperature"]) == (MAX_TOKENS, 0)
         assert "prompt_cache_key" not in sent and "user" not in sent
+        # The tenant's cache salt: a keyed derivation of its id (64 hex digits), never the id itself.
+        assert len(sent["cache_salt"]) == 64 and str(tenant.id) not in sent["cache_salt"]
+        assert all(request["cache_salt"] == sent["cache_salt"] for request in stub_engine.received)
 
         # The stub's heartbeat stops: within the key's life it leaves the list and the routing, and the engine
         # serves what would have gone to it.

@@ -89,3 +89,8 @@ class KeyHasher:
 
     def verify(self, full_key: str, stored_hash: str) -> bool:
         return hmac.compare_digest(self.hash(full_key), stored_hash)
+
+    def derive(self, purpose: str, value: str) -> str:
+        """A secret of its own for `value` (a tenant id, say), derived from the deployment's secret key: stable,
+        different for every value and purpose, and unguessable without the key."""
+        return hmac.new(self._secret_key, f"{purpose}\0{value}".encode(), hashlib.sha256).hexdigest()

@@ -92,7 +92,11 @@ async def _start(
         target=target,
         body=body,
         replica=replica,
-        engine_body=engine_body(target, body, source, cache_salt=str(principal.tenant_id)),
+        # The tenant's prefix-cache salt: derived from the deployment's secret, never from the request, and not
+        # the tenant id itself (anyone who reaches an engine and knows an id could otherwise probe that cache).
+        engine_body=engine_body(
+            target, body, source, cache_salt=resources.hasher.derive("prefix-cache-salt", str(principal.tenant_id))
+        ),
         path=path,
     )
     # The request id is the usage row's key: a client can find what it was billed even if it got no chunk.

@@ -1,0 +1,1 @@
+"""Billing: a versioned price book per base model, and cost reports rated from the usage rows."""

@@ -1,0 +1,91 @@
+"""HTTP for billing under /admin: the price book (/admin/prices) and the report (/admin/billing/report)."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from datetime import UTC, datetime
+
+from litestar import Controller, Response, get, put
+from litestar.params import FromQuery, JSONBody
+
+from loraplex.platform.dependencies import DbSession
+from loraplex.platform.domain.billing.rating import GroupBy
+from loraplex.platform.domain.billing.schemas import BillingReportOut, PriceList, PriceOut, PriceSet, report_csv
+from loraplex.platform.domain.billing.service import BillingService
+from loraplex.platform.domain.usage.schemas import parse_instant
+from loraplex.platform.domain.usage.service import resolve_range
+from loraplex.platform.ids import TenantId
+
+CSV_MEDIA_TYPE = "text/csv; charset=utf-8"
+
+
+class ReportFormat(enum.StrEnum):
+    JSON = "json"
+    CSV = "csv"
+
+
+class AdminPriceController(Controller):
+    path = "/prices"
+    tags = ["admin: billing"]
+
+    @get("/", summary="The price book: every version per base model, with the one in force now marked current")
+    async def list(self, db: DbSession, base_model: FromQuery[str | None] = None) -> PriceList:
+        rows = await BillingService(db).prices(base_model)
+        return PriceList(data=PriceOut.history(rows, datetime.now(UTC)))
+
+    @put(
+        "/",
+        status_code=201,
+        summary="Add a version of a base model's prices (USD per million tokens), in force from effective_at",
+    )
+    async def set(self, data: JSONBody[PriceSet], db: DbSession) -> PriceOut:
+        service = BillingService(db)
+        now = datetime.now(UTC)
+        added = await service.set_price(
+            data.base_model,
+            input_per_mtok=data.input_per_mtok,
+            cached_input_per_mtok=data.cached_input_per_mtok,
+            output_per_mtok=data.output_per_mtok,
+            effective_at=data.effective_at,
+            now=now,
+        )
+        history = PriceOut.history(await service.prices(data.base_model), now)
+        await db.commit()
+        return next(version for version in history if version.id == str(added.id))
+
+
+class AdminBillingController(Controller):
+    path = "/billing"
+    tags = ["admin: billing"]
+
+    @get(
+        "/report",
+        summary="Usage and cost of requests started in [start, end), by tenant, endpoint, base model or UTC day",
+        description="start and end: unix seconds or ISO 8601 (default: the last 24 hours; at most 92 days). "
+        "format=csv answers a header row, one row per group and a totals row.",
+    )
+    async def report(
+        self,
+        db: DbSession,
+        start: FromQuery[str | None] = None,
+        end: FromQuery[str | None] = None,
+        group_by: FromQuery[GroupBy] = GroupBy.TENANT,
+        format: FromQuery[ReportFormat] = ReportFormat.JSON,
+        tenant_id: FromQuery[uuid.UUID | None] = None,
+    ) -> Response[BillingReportOut | str]:
+        since, until = resolve_range(
+            None if start is None else parse_instant(start, param="start"),
+            None if end is None else parse_instant(end, param="end"),
+        )
+        report = await BillingService(db).report(
+            start=since, end=until, group_by=group_by, tenant_id=None if tenant_id is None else TenantId(tenant_id)
+        )
+        if format is ReportFormat.CSV:
+            name = f"billing-{group_by.value}-{since:%Y%m%dT%H%M%SZ}-{until:%Y%m%dT%H%M%SZ}.csv"
+            return Response(
+                report_csv(report),
+                media_type=CSV_MEDIA_TYPE,
+                headers={"Content-Disposition": f'attachment; filename="{name}"'},
+            )
+        return Response(BillingReportOut.of(report))
