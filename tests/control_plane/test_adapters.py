@@ -7,8 +7,10 @@ stays fast. The upload limit is small here (MAX_UPLOAD) so the size cases cost n
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
+import pickle
 import secrets
 import stat
 import struct
@@ -31,10 +33,13 @@ from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE, adapter_digest, read_adapter_dir
+from loraplex.engine.lora.adapter_config import MAX_CONFIG_BYTES
 from loraplex.platform.app import create_app
+from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.domain.adapters.models import Adapter
 from loraplex.platform.domain.adapters.repository import AdapterRepository
 from loraplex.platform.domain.adapters.service import ready_adapter_ref
@@ -107,6 +112,16 @@ async def api(settings: Settings, tiny_base_checkpoint: Path) -> AsyncIterator[C
         )
         assert response.status_code == 201, response.text
         yield client
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def sessions(settings: Settings) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    """The test's own sessions on the module's database (the app's pool lives on the test client's event loop)."""
+    engine = create_engine(settings.effective_database_url)
+    try:
+        yield create_session_factory(engine)
+    finally:
+        await engine.dispose()
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +276,13 @@ def first_key(tensors: dict[str, torch.Tensor], suffix: str) -> str:
     return sorted(k for k in tensors if k.endswith(suffix))[0]
 
 
-async def assert_nothing_stored(api: Client, resources: Resources, tenant: Tenant) -> None:
+async def assert_nothing_stored(
+    api: Client, resources: Resources, sessions: async_sessionmaker[AsyncSession], tenant: Tenant
+) -> None:
+    """No adapters row of the tenant in Postgres (in any state), none in its list, no object under its prefix."""
+    async with sessions() as session:
+        query = select(func.count()).select_from(Adapter).where(Adapter.tenant_id == uuid.UUID(tenant.id))
+        assert await session.scalar(query) == 0
     listed = await api.get("/v1/adapters", headers=tenant.headers)
     assert listed.status_code == 200
     assert listed.json()["data"] == []
@@ -388,14 +409,19 @@ class TestReadAndDelete:
         assert [(a["name"], a["version"]) for a in named["data"]] == [("a", 2), ("a", 1)]
 
     async def test_delete_removes_row_and_objects(
-        self, api: Client, resources: Resources, tenant: Tenant, adapters: dict[str, AdapterBytes]
+        self,
+        api: Client,
+        resources: Resources,
+        sessions: async_sessionmaker[AsyncSession],
+        tenant: Tenant,
+        adapters: dict[str, AdapterBytes],
     ) -> None:
         adapter_id = (await upload(api, tenant, two_files(adapters["good"]))).json()["id"]
         response = await api.delete(f"/v1/adapters/{adapter_id}", headers=tenant.headers)
         assert response.status_code == 200
         assert response.json() == {"id": adapter_id, "object": "adapter", "deleted": True}
         assert (await api.get(f"/v1/adapters/{adapter_id}", headers=tenant.headers)).status_code == 404
-        await assert_nothing_stored(api, resources, tenant)
+        await assert_nothing_stored(api, resources, sessions, tenant)
         again = await api.delete(f"/v1/adapters/{adapter_id}", headers=tenant.headers)
         assert again.status_code == 404
 
@@ -445,6 +471,7 @@ class TestNothingHalfWritten:
         self,
         api: Client,
         resources: Resources,
+        sessions: async_sessionmaker[AsyncSession],
         tenant: Tenant,
         adapters: dict[str, AdapterBytes],
         monkeypatch: pytest.MonkeyPatch,
@@ -464,12 +491,13 @@ class TestNothingHalfWritten:
         assert response.json()["error"]["code"] == "storage_unavailable"
         assert len(puts) == 2  # the config was stored, and must be gone again
         monkeypatch.undo()
-        await assert_nothing_stored(api, resources, tenant)
+        await assert_nothing_stored(api, resources, sessions, tenant)
 
     async def test_a_failed_commit_deletes_the_objects(
         self,
         api: Client,
         resources: Resources,
+        sessions: async_sessionmaker[AsyncSession],
         tenant: Tenant,
         adapters: dict[str, AdapterBytes],
         monkeypatch: pytest.MonkeyPatch,
@@ -481,7 +509,7 @@ class TestNothingHalfWritten:
         response = await upload(api, tenant, two_files(adapters["good"]))
         assert response.status_code == 500
         monkeypatch.undo()
-        await assert_nothing_stored(api, resources, tenant)
+        await assert_nothing_stored(api, resources, sessions, tenant)
 
 
 # --- where engines find an adapter --------------------------------------------------------------------------
@@ -538,6 +566,8 @@ class Bad:
     message: str  # a fragment the error message must contain
     param: str | None = None  # the error's param, when the case pins it
     form: dict[str, str] = field(default_factory=dict)  # overrides of the text fields
+    mangle: Callable[[bytes], bytes] | None = None  # applied to the finished multipart body
+    content_type: str | None = None  # instead of multipart/form-data with the body's boundary
 
 
 def _config(**changes: Any) -> Callable[[dict[str, AdapterBytes]], list[Part]]:
@@ -608,6 +638,84 @@ def _narrow_a(tensors: dict[str, torch.Tensor]) -> None:
 def _f32x2(start: int, end: int) -> str:
     """A safetensors header entry: two float32 values at [start, end) of the data section."""
     return json.dumps({"dtype": "F32", "shape": [2], "data_offsets": [start, end]})
+
+
+def _declared_header(length: int) -> bytes:
+    """A safetensors file whose first 8 bytes declare a `length`-byte header, followed by a tiny valid-looking one."""
+    return struct.pack("<Q", length) + b"{}"
+
+
+def _patch_zip_flags(data: bytes, name: str, flags: int) -> bytes:
+    """Set general-purpose flag bits (bit 0: encrypted) for `name` in the local header and the central directory."""
+    patched = bytearray(data)
+    for signature, flags_at, length_at, name_at in ((b"PK\x03\x04", 6, 26, 30), (b"PK\x01\x02", 8, 28, 46)):
+        start = patched.find(signature)
+        while start != -1:
+            (length,) = struct.unpack_from("<H", patched, start + length_at)
+            if patched[start + name_at : start + name_at + length] == name.encode():
+                (old,) = struct.unpack_from("<H", patched, start + flags_at)
+                struct.pack_into("<H", patched, start + flags_at, old | flags)
+            start = patched.find(signature, start + 4)
+    return bytes(patched)
+
+
+def _zip_encrypted(a: dict[str, AdapterBytes]) -> list[Part]:
+    data = make_zip([(CONFIG_FILE, a["good"].config), (WEIGHTS_FILE, a["good"].weights)])
+    return [("file", "adapter.zip", _patch_zip_flags(data, WEIGHTS_FILE, 0x1))]
+
+
+def _zip_declared(config_size: int, weights_size: int) -> Callable[[dict[str, AdapterBytes]], list[Part]]:
+    """A zip of the good adapter whose members declare these uncompressed sizes."""
+
+    def parts(a: dict[str, AdapterBytes]) -> list[Part]:
+        data = make_zip([(CONFIG_FILE, a["good"].config), (WEIGHTS_FILE, a["good"].weights)])
+        data = patch_zip_size(patch_zip_size(data, CONFIG_FILE, config_size), WEIGHTS_FILE, weights_size)
+        return [("file", "adapter.zip", data)]
+
+    return parts
+
+
+def _rename_layer(tensors: dict[str, torch.Tensor]) -> None:
+    for key in [k for k in tensors if ".layers.1." in k]:
+        tensors[key.replace(".layers.1.", ".layers.7.")] = tensors.pop(key)
+
+
+def _drop_b(tensors: dict[str, torch.Tensor]) -> None:
+    del tensors[first_key(tensors, "v_proj.lora_B.weight")]
+
+
+def _add_untargeted(tensors: dict[str, torch.Tensor]) -> None:
+    # o_proj maps hidden to hidden like q_proj in this base, so q_proj's shapes fit it; the config targets q and v.
+    for half in ("A", "B"):
+        source = first_key(tensors, f"q_proj.lora_{half}.weight")
+        tensors[source.replace("self_attn.q_proj", "self_attn.o_proj")] = tensors[source].clone()
+
+
+def _add_embedding(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["base_model.model.model.embed_tokens.weight"] = torch.zeros(2, 2)
+
+
+def _add_stray(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["base_model.model.model.norm.weight"] = torch.zeros(2)
+
+
+def _narrow_b(tensors: dict[str, torch.Tensor]) -> None:
+    key = first_key(tensors, "v_proj.lora_B.weight")
+    tensors[key] = tensors[key][:8].contiguous()
+
+
+def _to_int(tensors: dict[str, torch.Tensor]) -> None:
+    key = first_key(tensors, "q_proj.lora_A.weight")
+    tensors[key] = tensors[key].to(torch.int32)
+
+
+def _put_inf(tensors: dict[str, torch.Tensor]) -> None:
+    tensors[first_key(tensors, "lora_A.weight")][0, 0] = float("-inf")
+
+
+def _put_huge(tensors: dict[str, torch.Tensor]) -> None:
+    # Finite in float32, but lora_alpha / r = 2 scales B past float32's largest value.
+    tensors[first_key(tensors, "v_proj.lora_B.weight")][0, 0] = 3e38
 
 
 BAD: dict[str, Bad] = {
@@ -739,6 +847,135 @@ BAD: dict[str, Bad] = {
         400,
         "unknown dtype 'F128'",
     ),
+    # more of what the upload holds, and archives
+    "two-archives": Bad(
+        lambda a: [*_packaged(a["good"], "zip"), ("other", "b.tar.gz", _packaged(a["good"], "tar.gz")[0][2])],
+        400,
+        "holds 2 archives",
+    ),
+    "tar-extra-member": Bad(
+        _tar(lambda g: [tar_file(CONFIG_FILE, g.config), tar_file(WEIGHTS_FILE, g.weights), tar_file("x.md", b"x")]),
+        400,
+        "'x.md', which is not an adapter file",
+        "x.md",
+    ),
+    "tar-missing-member": Bad(_tar(lambda g: [tar_file(WEIGHTS_FILE, g.weights)]), 400, f"has no {CONFIG_FILE}"),
+    "zip-folder-entry": Bad(
+        _zip(lambda g: [("adapter/", b""), (CONFIG_FILE, g.config), (WEIGHTS_FILE, g.weights)]),
+        400,
+        "holds the folder 'adapter/'",
+    ),
+    "tar-absolute-path": Bad(
+        _tar(lambda g: [tar_file(f"/{CONFIG_FILE}", g.config), tar_file(WEIGHTS_FILE, g.weights)]),
+        400,
+        "a path with folder components",
+    ),
+    "zip-backslash-path": Bad(
+        _zip(lambda g: [(f"adapter\\{CONFIG_FILE}", g.config), (WEIGHTS_FILE, g.weights)]),
+        400,
+        "a path with folder components",
+    ),
+    "zip-encrypted": Bad(_zip_encrypted, 400, "encrypted; pack it without a password", WEIGHTS_FILE),
+    "zip-config-over-member-cap": Bad(
+        _zip_declared(2 * MAX_CONFIG_BYTES, 100), 413, f"at most {MAX_CONFIG_BYTES} are accepted", CONFIG_FILE
+    ),
+    "zip-declared-total-over-cap": Bad(
+        _zip_declared(1000, MAX_UPLOAD - 100), 413, f"declares more than {MAX_UPLOAD} bytes of content", WEIGHTS_FILE
+    ),
+    "gzip-not-tar": Bad(
+        lambda a: [("file", "adapter.tar.gz", gzip.compress(b"not a tar archive" * 40))],
+        400,
+        "not a readable .tar.gz archive",
+    ),
+    "pickle-by-name-in-tar": Bad(
+        _tar(lambda g: [tar_file(CONFIG_FILE, g.config), tar_file("adapter_model.pt", b"x")]),
+        400,
+        "a pickle file by its name",
+    ),
+    "pickle-part-by-name": Bad(
+        lambda a: [*two_files(a["good"]), ("extra", "optimizer.pkl", b"x")], 400, "a pickle file by its name"
+    ),
+    "pickle-config-by-magic": Bad(
+        lambda a: [(CONFIG_FILE, CONFIG_FILE, pickle.dumps({"r": 4})), two_files(a["good"])[1]],
+        400,
+        "pickle data",
+        CONFIG_FILE,
+    ),
+    "py-member-in-tar": Bad(
+        _tar(lambda g: [tar_file(CONFIG_FILE, g.config), tar_file(WEIGHTS_FILE, g.weights), tar_file("x.py", b"")]),
+        400,
+        "a Python file",
+    ),
+    "pyc-part": Bad(lambda a: [*two_files(a["good"]), ("code", "modeling.pyc", b"\x00")], 400, "a Python file"),
+    "auto-map-in-zip": Bad(
+        lambda a: _packaged(a["good"].with_config(auto_map={"AutoModel": "m.Evil"}), "zip"),
+        400,
+        "custom model code",
+        "auto_map",
+    ),
+    # more of the engine's validator: the config
+    "config-not-an-object": Bad(
+        lambda a: [(CONFIG_FILE, CONFIG_FILE, b"[]"), two_files(a["good"])[1]], 400, "must hold a JSON object"
+    ),
+    "not-lora": Bad(_config(peft_type="IA3"), 400, 'only "LORA" adapters are supported', "peft_type"),
+    "fan-in-fan-out": Bad(
+        _config(fan_in_fan_out=True), 400, "'fan_in_fan_out' is True; it is for GPT-2", "fan_in_fan_out"
+    ),
+    "lora-bias": Bad(_config(lora_bias=True), 400, "LoRA bias vectors (lora_bias)", "lora_bias"),
+    "unknown-field": Bad(_config(sparse_magic=1), 400, "'sparse_magic' is unknown to loraplex", "sparse_magic"),
+    "base-changing-init": Bad(_config(init_lora_weights="pissa"), 400, "'init_lora_weights' is", "init_lora_weights"),
+    "embedding-target": Bad(
+        _config(target_modules=["q_proj", "v_proj", "embed_tokens"]), 400, "LoRA on embeddings", "target_modules"
+    ),
+    "rank-pattern-over-limit": Bad(
+        _config(rank_pattern={"q_proj": 16}), 400, f"has rank 16 (from {CONFIG_FILE}); this server accepts ranks up to"
+    ),
+    "targeted-module-without-tensors": Bad(
+        _config(target_modules=["q_proj", "v_proj", "k_proj"]), 400, f"but {WEIGHTS_FILE} has no tensor for it"
+    ),
+    # more of the engine's validator: the safetensors structure
+    "too-short": Bad(_weights(b"abc"), 400, "too short for a safetensors file", WEIGHTS_FILE),
+    "header-over-cap": Bad(_weights(_declared_header(1 << 30)), 400, "at most 1048576 bytes are accepted"),
+    "header-not-json": Bad(_weights(raw_safetensors("not json", b"")), 400, "header is not valid UTF-8 JSON"),
+    "metadata-not-strings": Bad(
+        _weights(raw_safetensors('{"__metadata__": {"format": 1}}', b"")), 400, "must be an object of string values"
+    ),
+    "offsets-out-of-bounds": Bad(
+        _weights(raw_safetensors(f'{{"a": {_f32x2(0, 8)}}}', bytes(4))), 400, "outside the 4-byte data section", "a"
+    ),
+    "gap-between-tensors": Bad(
+        _weights(raw_safetensors(f'{{"a": {_f32x2(0, 8)}, "b": {_f32x2(12, 20)}}}', bytes(20))),
+        400,
+        "tensors must tile the data section exactly",
+    ),
+    "bytes-after-last-tensor": Bad(
+        _weights(raw_safetensors(f'{{"a": {_f32x2(0, 8)}}}', bytes(12))), 400, "4 bytes after its last tensor"
+    ),
+    "shape-times-dtype-not-length": Bad(
+        _weights(raw_safetensors('{"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}', bytes(8))),
+        400,
+        "does not fill its 8 bytes",
+        "a",
+    ),
+    "no-tensors": Bad(_weights(raw_safetensors("{}", b"")), 400, "holds no LoRA tensors"),
+    # more of the engine's validator: tensors against the config and the base model
+    "not-a-lora-tensor": Bad(_edited(_add_stray), 400, "not a LoRA weight of a decoder-layer projection"),
+    "embedding-tensor": Bad(_edited(_add_embedding), 400, "LoRA on embeddings or the output layer"),
+    "layer-out-of-range": Bad(_edited(_rename_layer), 400, "for layer 7, but the base model has 2 layers"),
+    "missing-partner": Bad(_edited(_drop_b), 400, "but not its partner"),
+    "untargeted-module": Bad(_edited(_add_untargeted), 400, "target_modules (with exclude_modules"),
+    "wrong-shape-b": Bad(_edited(_narrow_b), 400, "= [out_features, rank]"),
+    "integer-dtype": Bad(_edited(_to_int), 400, "is I32; LoRA weights must be F32, F16 or BF16"),
+    "infinite": Bad(_edited(_put_inf), 400, "NaN or infinite"),
+    "overflows-when-scaled": Bad(_edited(_put_huge), 400, "(scaled by 2) overflows float32"),
+    # the multipart body itself
+    "too-many-parts": Bad(
+        lambda a: [(f"f{i}", None, b"x") for i in range(1001)], 400, "The multipart body has more than 1000 parts"
+    ),
+    "truncated-multipart": Bad(
+        lambda a: two_files(a["good"]), 400, "not valid multipart/form-data", mangle=lambda body: body[:-40]
+    ),
+    "no-boundary": Bad(lambda a: two_files(a["good"]), 400, "check the boundary", content_type="multipart/form-data"),
     # sizes
     "oversized-body": Bad(_weights(bytes(MAX_UPLOAD + 1)), 413, f"larger than {MAX_UPLOAD} bytes"),
 }
@@ -746,11 +983,21 @@ BAD: dict[str, Bad] = {
 
 @pytest.mark.parametrize("case", list(BAD))
 async def test_bad_upload_is_refused_and_leaves_nothing(
-    api: Client, resources: Resources, tenant: Tenant, adapters: dict[str, AdapterBytes], case: str
+    api: Client,
+    resources: Resources,
+    sessions: async_sessionmaker[AsyncSession],
+    tenant: Tenant,
+    adapters: dict[str, AdapterBytes],
+    case: str,
 ) -> None:
     bad = BAD[case]
     form = {key: value for key, value in {"name": "bad", "base_model": BASE, **bad.form}.items() if value}
     body, headers = multipart(form, bad.parts(adapters))
+    if bad.mangle is not None:
+        body = bad.mangle(body)
+    if bad.content_type is not None:
+        headers = {"Content-Type": bad.content_type}
+    bucket_before = await resources.objects.list()
     response = await api.post("/v1/adapters", content=body, headers={**tenant.headers, **headers})
     assert response.status_code == bad.status, response.text
     error = response.json()["error"]
@@ -758,7 +1005,8 @@ async def test_bad_upload_is_refused_and_leaves_nothing(
     assert bad.message in error["message"], error["message"]
     if bad.param is not None:
         assert error["param"] == bad.param
-    await assert_nothing_stored(api, resources, tenant)
+    await assert_nothing_stored(api, resources, sessions, tenant)
+    assert await resources.objects.list() == bucket_before  # nothing written anywhere else in the bucket either
 
 
 async def test_openapi_documents_the_multipart_upload(api: Client) -> None:
@@ -767,10 +1015,12 @@ async def test_openapi_documents_the_multipart_upload(api: Client) -> None:
     assert set(paths["/v1/adapters/{adapter_id}"]) == {"get", "delete"}
 
 
-async def test_a_body_that_is_not_multipart_is_415(api: Client, resources: Resources, tenant: Tenant) -> None:
+async def test_a_body_that_is_not_multipart_is_415(
+    api: Client, resources: Resources, sessions: async_sessionmaker[AsyncSession], tenant: Tenant
+) -> None:
     response = await api.post("/v1/adapters", json={"name": "x", "base_model": BASE}, headers=tenant.headers)
     assert response.status_code == 415
     error = response.json()["error"]
     assert error["code"] == "unsupported_media_type"
     assert "multipart/form-data" in error["message"]
-    await assert_nothing_stored(api, resources, tenant)
+    await assert_nothing_stored(api, resources, sessions, tenant)

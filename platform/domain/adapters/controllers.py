@@ -8,6 +8,7 @@ from typing import Any
 from litestar import Controller, Request, Response, delete, get, post
 from litestar.datastructures import UploadFile
 from litestar.enums import RequestEncodingType
+from litestar.exceptions import ClientException, ValidationException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.params import FromPath, FromQuery, MultipartBody
 from pydantic import ValidationError
@@ -16,7 +17,7 @@ from loraplex.platform.dependencies import AppResources, DbSession, Principal
 from loraplex.platform.domain.adapters.schemas import AdapterDeleted, AdapterOut, AdapterUploadFields
 from loraplex.platform.domain.adapters.service import AdapterService
 from loraplex.platform.domain.adapters.upload import ADAPTER_FILES, UploadedFile
-from loraplex.platform.errors import ApiError, invalid_request, openai_error
+from loraplex.platform.errors import ApiError, handle_exception, invalid_request, openai_error
 from loraplex.platform.schemas import ObjectList, PageLimit
 from loraplex.platform.settings import Settings
 
@@ -47,6 +48,31 @@ def _too_large(request: Request[Any, Any, Any], _: RequestEntityTooLarge) -> Res
     )
 
 
+# Litestar's multipart parser answers a body over its part limits (count, header size) with a 400 whose whole
+# message is "Request Entity Too Large", and a malformed one with "Invalid multipart/form-data" (the parser's
+# reason is the exception's cause). Neither tells an uploader what to change.
+_MULTIPART_LIMIT_DETAIL = "Request Entity Too Large"
+_MULTIPART_INVALID_DETAIL = "Invalid multipart/form-data"
+
+
+def _bad_multipart(request: Request[Any, Any, Any], exc: ClientException) -> Response[dict[str, Any]]:
+    if isinstance(exc, ValidationException) or exc.detail not in (_MULTIPART_LIMIT_DETAIL, _MULTIPART_INVALID_DETAIL):
+        return handle_exception(request, exc)
+    if exc.detail == _MULTIPART_LIMIT_DETAIL:
+        message = (
+            f"The multipart body has more than {request.app.multipart_form_part_limit} parts, or a part whose headers "
+            f"are longer than this server reads; send only the fields 'name' and 'base_model' and the files "
+            f"{' and '.join(ADAPTER_FILES)} (or one .zip or .tar.gz of them)."
+        )
+    else:
+        reason = f" ({exc.__cause__})" if exc.__cause__ is not None and str(exc.__cause__) else ""
+        message = (
+            f"The body is not valid multipart/form-data{reason}: check the boundary in the Content-Type header and "
+            "that the body is complete."
+        )
+    return openai_error(400, message, code="invalid_multipart")
+
+
 def _not_text(_: Request[Any, Any, Any], exc: UnicodeDecodeError) -> Response[dict[str, Any]]:
     # Litestar decodes a part without a filename as text; binary content sent that way fails there.
     return openai_error(
@@ -69,7 +95,11 @@ class AdapterController(Controller):
         summary="Upload a LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors)",
         description=_UPLOAD_DESCRIPTION,
         before_request=_require_multipart,
-        exception_handlers={RequestEntityTooLarge: _too_large, UnicodeDecodeError: _not_text},
+        exception_handlers={
+            RequestEntityTooLarge: _too_large,
+            UnicodeDecodeError: _not_text,
+            ClientException: _bad_multipart,
+        },
     )
     async def create(
         self, data: MultipartBody[dict[str, Any]], principal: Principal, db: DbSession, resources: AppResources
