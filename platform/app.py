@@ -32,6 +32,7 @@ from loraplex.platform.domain.tenants.controllers import AdminTenantController, 
 from loraplex.platform.domain.usage.controllers import UsageController
 from loraplex.platform.errors import handle_exception
 from loraplex.platform.health import HealthController
+from loraplex.platform.metrics import MetricsController
 from loraplex.platform.resources import Resources
 from loraplex.platform.settings import Settings
 
@@ -50,13 +51,18 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
     async def lifespan(app: Litestar) -> AsyncGenerator[None, None]:
         resources = await Resources.open(settings, check_migrations=check_migrations)
         app.state.resources = resources
-        drainer = asyncio.create_task(resources.usage.run_drainer(settings.usage_drain_interval_s))
+        stop_draining = asyncio.Event()
+        drainer = asyncio.create_task(resources.usage.run_drainer(settings.usage_drain_interval_s, stop_draining))
         try:
             yield
         finally:
-            drainer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await drainer
+            stop_draining.set()  # let a round in progress finish its database call (see run_drainer)
+            try:
+                await asyncio.wait_for(asyncio.shield(drainer), timeout=15)
+            except TimeoutError:
+                drainer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await drainer
             await resources.usage.close()
             await resources.close()
 
@@ -89,7 +95,7 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
         security=[{"AdminToken": []}],
     )
     return Litestar(
-        route_handlers=[HealthController, v1, admin],
+        route_handlers=[HealthController, MetricsController, v1, admin],
         lifespan=[lifespan],
         dependencies={"db": Provide(provide_db), "resources": Provide(provide_resources)},
         exception_handlers={Exception: handle_exception},

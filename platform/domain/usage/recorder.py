@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import json
 import logging
@@ -333,10 +334,16 @@ class UsageRecorder:
             removed += 1
         return removed, count, False
 
-    async def run_drainer(self, interval_s: float) -> None:
-        """Drain every `interval_s` until cancelled (the app lifespan starts and cancels it)."""
-        while True:
-            await asyncio.sleep(interval_s)
+    async def run_drainer(self, interval_s: float, stop: asyncio.Event | None = None) -> None:
+        """Drain every `interval_s` until `stop` is set (or the task is cancelled). The app's lifespan sets `stop`
+        and waits: cancelling a round in the middle of a database call can leave its connection half-closed, and
+        disposing of the pool then waits on it."""
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=interval_s)
+            if stop.is_set():
+                return
             try:
                 drained = await self.drain_once()
             except Exception:  # a failed round must not end the loop: the next one retries
