@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU machines get the CPU build of torch first; otherwise pip would pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: dev test lint fmt venv clean
+.PHONY: dev test lint fmt venv clean chromium
 
 venv: $(STAMP)
 
@@ -26,8 +26,21 @@ $(STAMP): pyproject.toml setup.py
 dev: $(STAMP)
 	$(BIN)/loraplex dev
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The billing page's browser test drives Debian's chromium through Playwright (docs/decisions/0013-billing-page.md).
+# Installed only when none is found; `apt-get update` only if the install fails (a fresh image has no lists).
+# Without apt-get, or without root or sudo, it says so and the test fails with what to install.
+APT_CHROMIUM := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium
+chromium:
+	@if command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "warning: no chromium and no apt-get: install Chromium for the billing page's browser test" >&2; exit 0; fi; \
+	if [ "$$(id -u)" -eq 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else \
+		echo "warning: no chromium, and neither root nor sudo to run: apt-get install chromium" >&2; exit 0; fi; \
+	echo "installing Debian's chromium (for the billing page's browser test)"; \
+	$$SUDO env $(APT_CHROMIUM) || { $$SUDO apt-get update && $$SUDO env $(APT_CHROMIUM); }
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

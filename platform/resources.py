@@ -25,6 +25,7 @@ from loraplex.platform.domain.fleet.embedded import start_embedded_fleet
 from loraplex.platform.domain.fleet.registry import EmptyFleet, Fleet, RedisFleet, Router
 from loraplex.platform.domain.usage.recorder import UsageRecorder, open_usage_recorder
 from loraplex.platform.kv import KeyValueStore, RedisStore, open_kv_store
+from loraplex.platform.metrics import CountingRateLimiter, PlatformMetrics
 from loraplex.platform.objectstore import ObjectStore, open_object_store
 from loraplex.platform.ratelimit import RateLimiter, open_rate_limiter
 from loraplex.platform.settings import Settings, SettingsError
@@ -79,6 +80,7 @@ class Resources:
     usage: UsageRecorder
     fleet: Fleet
     router: Router
+    metrics: PlatformMetrics  # this process's Prometheus series, in a registry of its own
     embedded_engine: EngineRuntime | None = None
 
     @classmethod
@@ -115,6 +117,9 @@ class Resources:
         authenticator = Authenticator(
             sessions, kv, hasher, admin_token=admin_token, cache_ttl_s=settings.key_cache_ttl_s
         )
+        rate_limiter = open_rate_limiter(kv, settings)
+        usage = open_usage_recorder(sessions, kv)
+        metrics = PlatformMetrics(rate_limiter, usage)
         return cls(
             settings=settings,
             db_engine=db_engine,
@@ -124,10 +129,11 @@ class Resources:
             hasher=hasher,
             authenticator=authenticator,
             model_configs=ModelConfigs(settings),
-            rate_limiter=open_rate_limiter(kv, settings),
-            usage=open_usage_recorder(sessions, kv),
+            rate_limiter=CountingRateLimiter(rate_limiter, metrics),
+            usage=usage,
             fleet=fleet,
             router=Router(fleet, kv),
+            metrics=metrics,
             embedded_engine=embedded,
         )
 

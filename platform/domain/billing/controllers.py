@@ -1,4 +1,5 @@
-"""HTTP for billing under /admin: the price book (/admin/prices) and the report (/admin/billing/report)."""
+"""HTTP for billing under /admin: the price book (/admin/prices), the report (/admin/billing/report) and the page
+with charts (/admin/billing)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import enum
 import uuid
 from datetime import UTC, datetime
 
-from litestar import Controller, Response, get, put
+from litestar import Controller, MediaType, Response, get, put
 from litestar.params import FromQuery, JSONBody
 
 from loraplex.platform.dependencies import DbSession
+from loraplex.platform.domain.billing.page import PAGE_HEADERS, gather, page_range, render
 from loraplex.platform.domain.billing.rating import GroupBy
 from loraplex.platform.domain.billing.schemas import BillingReportOut, PriceList, PriceOut, PriceSet, report_csv
 from loraplex.platform.domain.billing.service import BillingService
@@ -58,6 +60,25 @@ class AdminPriceController(Controller):
 class AdminBillingController(Controller):
     path = "/billing"
     tags = ["admin: billing"]
+
+    @get(
+        "/",
+        media_type=MediaType.HTML,
+        summary="An HTML page with charts of a period: cost per day by tenant, cache hit rates, top endpoints",
+        description="start and end as in the report (default: the last 30 UTC days, today included; at most 92 "
+        "days). Self-contained: inline CSS and SVG, no script, and a Content-Security-Policy that loads nothing.",
+    )
+    async def page(
+        self, db: DbSession, start: FromQuery[str | None] = None, end: FromQuery[str | None] = None
+    ) -> Response[str]:
+        now = datetime.now(UTC)
+        since, until = page_range(
+            None if start is None else parse_instant(start, param="start"),
+            None if end is None else parse_instant(end, param="end"),
+            now=now,
+        )
+        data = await gather(db, start=since, end=until)
+        return Response(render(data, generated_at=now), media_type=MediaType.HTML, headers=PAGE_HEADERS)
 
     @get(
         "/report",

@@ -1,7 +1,7 @@
 """Every query of billing: the price book, and usage summed for reports.
 
-Billing is an admin's view across tenants, so these reads take an optional `tenant_id` filter rather than a
-required one; no tenant-facing handler calls them.
+Billing is mostly an admin's view across tenants, so these reads take an optional `tenant_id` filter rather than a
+required one. The one tenant-facing caller, GET /v1/usage, always passes the caller's own tenant id.
 """
 
 from __future__ import annotations

@@ -243,9 +243,12 @@ def engine_failure(code: str | None) -> dict[str, Any]:
 
 
 async def record_usage(resources: Resources, call: Call) -> None:
-    """Written whatever happened to the client; shielded so a cancelled request still writes it."""
+    """Written whatever happened to the client; shielded so a cancelled request still writes it. Counted in the
+    process's metrics here too, once per request, so /metrics counts what is billed."""
     try:
-        await asyncio.shield(resources.usage.record(usage_event(call)))
+        event = usage_event(call)
+        resources.metrics.count_usage(event)
+        await asyncio.shield(resources.usage.record(event))
     except asyncio.CancelledError:
         raise
     except Exception:  # the recorder never raises by contract; belt and braces

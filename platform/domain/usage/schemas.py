@@ -1,13 +1,17 @@
-"""Usage shapes at the edge: `GET /v1/usage` answers `{object: "usage", start, end, totals, data, ...}`."""
+"""Usage shapes at the edge: `GET /v1/usage` answers `{object: "usage", start, end, totals, billing, data, ...}`."""
 
 from __future__ import annotations
 
+import enum
 import math
 from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
+from loraplex.platform.domain.billing.rating import GroupBy
+from loraplex.platform.domain.billing.schemas import BillingReportOut, DayLine, EndpointLine, LineNumbers, ModelLine
+from loraplex.platform.domain.billing.service import BillingReport
 from loraplex.platform.domain.usage.models import UsageRecord
 from loraplex.platform.domain.usage.repository import UsageTotals
 from loraplex.platform.errors import invalid_request
@@ -53,6 +57,45 @@ class UsageTotalsOut(BaseModel):
         )
 
 
+class UsageGroupBy(enum.StrEnum):
+    """What a tenant may break its bill down by: the admin report's groupings that stay within one tenant."""
+
+    ENDPOINT = "endpoint"
+    MODEL = "model"
+    DAY = "day"
+
+    @property
+    def billing(self) -> GroupBy:
+        return GroupBy(self.value)
+
+
+class _BillingHead(BaseModel):
+    currency: str
+    group_by: UsageGroupBy | None = Field(description="What `rows` are grouped by; null when no rows were asked for.")
+
+
+# The head first, then the numbers, then the rows (pydantic orders fields from the last base class to the first).
+class UsageBillingOut(LineNumbers, _BillingHead):
+    """What the requests of [start, end) cost: the admin billing report restricted to this tenant, with the same
+    rating and rounding (docs/decisions/0011-billing-rounding.md) and money as decimal strings. The numbers are
+    that report's totals; `rows` (with `?group_by=`) its lines, which add up to them."""
+
+    rows: list[EndpointLine] | list[ModelLine] | list[DayLine] | None = None
+
+    @classmethod
+    def of(cls, report: BillingReport, group_by: UsageGroupBy | None) -> UsageBillingOut:
+        # Shaped by the admin report's own code, so the two can never disagree on a number's form.
+        shaped = BillingReportOut.of(report)
+        return cls.model_validate(
+            {
+                "currency": report.currency,
+                "group_by": group_by,
+                **shaped.totals.model_dump(),
+                "rows": None if group_by is None else shaped.rows,
+            }
+        )
+
+
 class UsageRecordOut(BaseModel):
     request_id: str
     model: str
@@ -78,13 +121,14 @@ class UsageRecordOut(BaseModel):
 
 
 class UsageOut(BaseModel):
-    """The tenant's requests started in [start, end): totals over the whole range, `data` one page of it (newest
-    first; pass `last_id` as `after` for the next page)."""
+    """The tenant's requests started in [start, end): totals and `billing` over the whole range, `data` one page of
+    it (newest first; pass `last_id` as `after` for the next page)."""
 
     object: Literal["usage"] = "usage"
     start: datetime
     end: datetime
     totals: UsageTotalsOut
+    billing: UsageBillingOut
     data: list[UsageRecordOut]
     has_more: bool
     first_id: str | None
