@@ -3,9 +3,12 @@ to first token, and what the tenants pay with cache-aware prices.
 
 The trace: 4 tenants, each with its own system prompt (512 tokens) and 3 conversations of 5-10 turns. Every turn
 resends the whole history (system prompt, earlier questions and answers) plus a new question of 16-48 tokens, as
-chat clients do; answers are 16-48 tokens. All 12 conversations run at once through the AsyncEngine, each tenant
-with its own cache salt (as the platform sets it). The same trace runs twice on a random ~56M-parameter Llama,
-with the prefix cache and without it.
+chat clients do; answers are 16-48 tokens. Each tenant has its own cache salt (as the platform sets it). Two
+arrival patterns, each run with the prefix cache and without it on a random ~56M-parameter Llama:
+- chat: conversations start 0.4 s apart (in a shuffled order) and a user reads and types for 0.3-1.2 s between
+  an answer and the next question, as people do;
+- burst: all 12 conversations start at once and every question follows its answer immediately (a stress case:
+  a tenant's three conversations compute its system prompt side by side, before any of them can reuse it).
 
     .venv/bin/python benchmarks/prefix_cache.py [--threads 2]
 
@@ -42,6 +45,8 @@ SYSTEM_PROMPT_TOKENS = 512
 TURNS = (5, 10)
 QUESTION_TOKENS = (16, 48)
 ANSWER_TOKENS = (16, 48)
+ARRIVAL_GAP_S = 0.4
+THINK_S = (0.3, 1.2)
 PRICE_INPUT = Decimal("0.50")  # per 1M tokens
 PRICE_CACHED = Decimal("0.05")
 PRICE_OUTPUT = Decimal("1.50")
@@ -53,6 +58,8 @@ class Conversation:
     system: list[int]
     questions: list[list[int]]
     answer_lens: list[int]
+    start_s: float  # when its first question arrives (chat pattern)
+    think_s: list[float]  # the pause before each question after the first (chat pattern)
 
 
 @dataclasses.dataclass
@@ -70,7 +77,9 @@ def make_trace(vocab: int, seed: int = 0) -> list[Conversation]:
     def tokens(count: int) -> list[int]:
         return [rng.randrange(4, vocab) for _ in range(count)]
 
-    conversations = []
+    conversations: list[Conversation] = []
+    order = list(range(NUM_TENANTS * CONVERSATIONS_PER_TENANT))
+    rng.shuffle(order)
     for tenant in range(NUM_TENANTS):
         system = tokens(SYSTEM_PROMPT_TOKENS)
         for _ in range(CONVERSATIONS_PER_TENANT):
@@ -81,15 +90,21 @@ def make_trace(vocab: int, seed: int = 0) -> list[Conversation]:
                     system=system,
                     questions=[tokens(rng.randint(*QUESTION_TOKENS)) for _ in range(turns)],
                     answer_lens=[rng.randint(*ANSWER_TOKENS) for _ in range(turns)],
+                    start_s=order[len(conversations)] * ARRIVAL_GAP_S,
+                    think_s=[rng.uniform(*THINK_S) for _ in range(turns)],
                 )
             )
     return conversations
 
 
-async def run_conversation(engine: AsyncEngine, conversation: Conversation, index: int) -> list[Turn]:
+async def run_conversation(engine: AsyncEngine, conversation: Conversation, index: int, chat: bool) -> list[Turn]:
     history = list(conversation.system)
     turns = []
+    if chat:
+        await asyncio.sleep(conversation.start_s)
     for number, (question, answer_len) in enumerate(zip(conversation.questions, conversation.answer_lens, strict=True)):
+        if chat and number:
+            await asyncio.sleep(conversation.think_s[number])
         history += question
         params = SamplingParams(temperature=0, max_tokens=answer_len, ignore_eos=True)
         started = time.perf_counter()
@@ -109,7 +124,7 @@ async def run_conversation(engine: AsyncEngine, conversation: Conversation, inde
     return turns
 
 
-async def run_trace(model_dir: Path, trace: list[Conversation], prefix_caching: bool) -> dict[str, Any]:
+async def run_trace(model_dir: Path, trace: list[Conversation], prefix_caching: bool, chat: bool) -> dict[str, Any]:
     engine = await AsyncEngine.create(
         EngineConfig(
             model=model_dir,
@@ -126,7 +141,7 @@ async def run_trace(model_dir: Path, trace: list[Conversation], prefix_caching: 
             pass
         started = time.perf_counter()
         per_conversation = await asyncio.gather(
-            *(run_conversation(engine, conversation, i) for i, conversation in enumerate(trace))
+            *(run_conversation(engine, conversation, i, chat) for i, conversation in enumerate(trace))
         )
         elapsed = time.perf_counter() - started
     finally:
@@ -166,9 +181,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_model(Path(tmp) / "model", dataclasses.replace(BENCHMARK_SPEC, torch_dtype="float32"))
         trace = make_trace(BENCHMARK_SPEC.vocab_size)
-        cached = asyncio.run(run_trace(model_dir, trace, prefix_caching=True))
-        cold = asyncio.run(run_trace(model_dir, trace, prefix_caching=False))
-    result = {
+        runs = {
+            (pattern, caching): asyncio.run(run_trace(model_dir, trace, prefix_caching=caching, chat=pattern == "chat"))
+            for pattern in ("chat", "burst")
+            for caching in (True, False)
+        }
+    result: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
         "trace": {
             "tenants": NUM_TENANTS,
@@ -177,19 +195,25 @@ def main() -> None:
             "turns": TURNS,
             "question_tokens": QUESTION_TOKENS,
             "answer_tokens": ANSWER_TOKENS,
+            "chat_arrival_gap_s": ARRIVAL_GAP_S,
+            "chat_think_s": THINK_S,
         },
         "prices_per_mtok_usd": {
             "input": str(PRICE_INPUT),
             "cached_input": str(PRICE_CACHED),
             "output": str(PRICE_OUTPUT),
         },
-        "with_prefix_cache": cached,
-        "without_prefix_cache": cold,
-        "ttft_ratio_mean": cached["ttft_mean_s"] / cold["ttft_mean_s"],
-        "ttft_ratio_p50": cached["ttft_p50_s"] / cold["ttft_p50_s"],
-        "tenant_saving_fraction": 1
-        - float(Decimal(cached["cost_usd_with_cache_pricing"]) / Decimal(cached["cost_usd_without_cache_pricing"])),
     }
+    for pattern in ("chat", "burst"):
+        cached, cold = runs[(pattern, True)], runs[(pattern, False)]
+        saving = 1 - Decimal(cached["cost_usd_with_cache_pricing"]) / Decimal(cached["cost_usd_without_cache_pricing"])
+        result[pattern] = {
+            "with_prefix_cache": cached,
+            "without_prefix_cache": cold,
+            "ttft_ratio_mean": cached["ttft_mean_s"] / cold["ttft_mean_s"],
+            "ttft_ratio_p50": cached["ttft_p50_s"] / cold["ttft_p50_s"],
+            "tenant_saving_fraction": float(saving),
+        }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
