@@ -201,7 +201,7 @@ for i = 1, n do
   local new_tat = tat + cost * interval
   local allow_at = new_tat - period
   tats[i], new_tats[i], intervals[i] = tat, new_tat, interval
-  if allow_at > now then
+  if allow_at > now + 1 then  -- 1 us of slack: doubles near 1.7e15 us round to a quarter microsecond
     all = false
     out[i] = {0, math.ceil(allow_at - now)}
   else
@@ -284,6 +284,10 @@ class RedisRateLimiter:
 # In process
 
 
+# A bucket that is exactly full again admits: without slack, (now + 60) - 60 - now can come out a hair above zero.
+_SLACK_S = 1e-6
+
+
 class MemoryRateLimiter:
     """The same buckets in this process's memory: correct only while one process serves (the embedded mode).
 
@@ -315,7 +319,8 @@ class MemoryRateLimiter:
             new_tat = tat + bucket.cost * PERIOD_S / bucket.limit
             tats.append(tat)
             new_tats.append(new_tat)
-            retry.append(max(0.0, new_tat - PERIOD_S - now))
+            wait = new_tat - PERIOD_S - now
+            retry.append(wait if wait > _SLACK_S else 0.0)  # float sums of `now` are not exact
         admitted = all(r == 0.0 for r in retry)
         if admitted:
             for name, new_tat in zip(names, new_tats, strict=True):

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import contextlib
+import secrets
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
+from _support import services
+from _support.services import PostgresServer, RedisServer, S3Server
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
+from sqlalchemy.engine import make_url
 
 from loraplex.platform.app import create_app
 from loraplex.platform.db.engine import create_engine
@@ -46,6 +56,121 @@ async def migrate(settings: Settings) -> None:
         await upgrade(engine)
     finally:
         await engine.dispose()
+
+
+async def _create_module_state(
+    data_dir: Path,
+    postgres_server: PostgresServer,
+    redis_server: RedisServer,
+    s3_server: S3Server,
+    session_tag: str,
+    fields: dict[str, Any],
+) -> Settings:
+    database = f"t_{session_tag}_{secrets.token_hex(4)}"
+    bucket = f"t-{session_tag}-{secrets.token_hex(4)}"
+    prefix = f"t{session_tag}{secrets.token_hex(4)}:"
+    await services.create_database(postgres_server.url, database)
+    with contextlib.closing(services.s3_client(s3_server)) as s3:
+        s3.create_bucket(Bucket=bucket)
+    value = Settings(
+        **{
+            "data_dir": data_dir,
+            "database_url": services.database_url_for(postgres_server.url, database),
+            "redis_url": redis_server.url,
+            "redis_prefix": prefix,
+            "s3_bucket": bucket,
+            "s3_endpoint_url": s3_server.endpoint_url,
+            "s3_region": s3_server.region,
+            "s3_access_key_id": s3_server.access_key_id,
+            "s3_secret_access_key": s3_server.secret_access_key,
+            "admin_token": ADMIN_TOKEN,
+            "secret_key": SECRET_KEY,
+            "engine_mode": "off",
+            **fields,
+        }
+    )
+    await migrate(value)
+    return value
+
+
+async def _remove_module_state(
+    settings: Settings, postgres_server: PostgresServer, redis_server: RedisServer, s3_server: S3Server
+) -> None:
+    assert settings.s3_bucket is not None
+    with contextlib.closing(services.s3_client(s3_server)) as s3:
+        services.purge_bucket(s3, settings.s3_bucket)
+    await services.delete_redis_keys(redis_server.url, settings.redis_prefix)
+    database = make_url(settings.effective_database_url).database
+    assert database is not None
+    await services.drop_database(postgres_server.url, database)
+
+
+@contextlib.asynccontextmanager
+async def module_settings(
+    data_dir: Path,
+    postgres_server: PostgresServer,
+    redis_server: RedisServer,
+    s3_server: S3Server,
+    session_tag: str,
+    **fields: Any,
+) -> AsyncIterator[Settings]:
+    """Settings on a migrated database, a Redis prefix and a bucket of their own (for a module's fixtures), all
+    removed afterwards. `fields` are further Settings fields (engine_mode defaults to "off")."""
+    value = await _create_module_state(data_dir, postgres_server, redis_server, s3_server, session_tag, fields)
+    try:
+        yield value
+    finally:
+        await _remove_module_state(value, postgres_server, redis_server, s3_server)
+
+
+@contextlib.contextmanager
+def module_settings_sync(
+    data_dir: Path,
+    postgres_server: PostgresServer,
+    redis_server: RedisServer,
+    s3_server: S3Server,
+    session_tag: str,
+    **fields: Any,
+) -> Iterator[Settings]:
+    """`module_settings` for synchronous fixtures (each step on a short-lived event loop of its own)."""
+    value = asyncio.run(_create_module_state(data_dir, postgres_server, redis_server, s3_server, session_tag, fields))
+    try:
+        yield value
+    finally:
+        asyncio.run(_remove_module_state(value, postgres_server, redis_server, s3_server))
+
+
+@contextlib.contextmanager
+def serving(app: Litestar, *, port: int = 0, start_timeout_s: float = 120) -> Iterator[str]:
+    """`app` on a uvicorn server (lifespan included), in a thread with its own event loop, as in production;
+    yields its URL. Port 0 takes any free port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    bound = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=5))
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(server.serve(sockets=[sock]))
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="platform-server", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not server.started:
+            assert not failure, f"the platform failed to start: {failure[0]!r}"
+            assert thread.is_alive(), "the platform failed to start (see the log)"
+            assert time.monotonic() < deadline, "the platform did not start in time"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 @pytest.fixture

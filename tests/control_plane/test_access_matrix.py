@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
-from _support import services
 from _support.services import PostgresServer, RedisServer, S3Server
 from httpx import Response
 from litestar import Litestar
@@ -43,7 +42,7 @@ from loraplex.platform.ids import TenantId
 from loraplex.platform.resources import Resources
 from loraplex.platform.settings import Settings
 
-from .conftest import ADMIN_TOKEN, SECRET_KEY, bearer, migrate
+from .conftest import ADMIN_TOKEN, bearer, module_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
@@ -66,34 +65,9 @@ async def settings(
     session_tag: str,
 ) -> AsyncIterator[Settings]:
     """Settings on a database, Redis prefix and bucket of this module's own, removed after it."""
-    database = f"t_{session_tag}_{secrets.token_hex(4)}"
-    bucket = f"t-{session_tag}-{secrets.token_hex(4)}"
-    prefix = f"t{session_tag}{secrets.token_hex(4)}:"
-    await services.create_database(postgres_server.url, database)
-    s3 = services.s3_client(s3_server)
-    s3.create_bucket(Bucket=bucket)
-    try:
-        value = Settings(
-            data_dir=tmp_path_factory.mktemp("data"),
-            database_url=services.database_url_for(postgres_server.url, database),
-            redis_url=redis_server.url,
-            redis_prefix=prefix,
-            s3_bucket=bucket,
-            s3_endpoint_url=s3_server.endpoint_url,
-            s3_region=s3_server.region,
-            s3_access_key_id=s3_server.access_key_id,
-            s3_secret_access_key=s3_server.secret_access_key,
-            admin_token=ADMIN_TOKEN,
-            secret_key=SECRET_KEY,
-            engine_mode="off",
-        )
-        await migrate(value)
+    data_dir = tmp_path_factory.mktemp("data")
+    async with module_settings(data_dir, postgres_server, redis_server, s3_server, session_tag) as value:
         yield value
-    finally:
-        services.purge_bucket(s3, bucket)
-        s3.close()
-        await services.delete_redis_keys(redis_server.url, prefix)
-        await services.drop_database(postgres_server.url, database)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -7,16 +7,11 @@ finer rules (escaping, structure) are unit-tested in test_billing_page_render.py
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import shutil
-import socket
 import struct
-import threading
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -25,7 +20,6 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-import uvicorn
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from playwright.async_api import async_playwright
@@ -39,7 +33,7 @@ from loraplex.platform.domain.tenants.models import Tenant
 from loraplex.platform.domain.usage.repository import UsageRepository
 from loraplex.platform.settings import Settings
 
-from .conftest import ADMIN_TOKEN
+from .conftest import ADMIN_TOKEN, serving
 
 pytestmark = pytest.mark.integration
 
@@ -125,37 +119,6 @@ async def seeded(sessions: Sessions) -> dict[str, Tenant]:
         assert await UsageRepository(session).add_if_absent(rows) == len(rows)
         await session.commit()
     return tenants
-
-
-@contextlib.contextmanager
-def serving(app: Litestar) -> Iterator[str]:
-    """`app` on a uvicorn server in a thread with its own event loop; yields its URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=5))
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            asyncio.run(server.serve(sockets=[sock]))
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name="platform-server", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert not failure, f"the platform failed to start: {failure[0]!r}"
-            assert thread.is_alive(), "the platform failed to start (see the log)"
-            assert time.monotonic() < deadline, "the platform did not start in time"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 def iso(instant: datetime) -> str:

@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 import json
 import secrets
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,7 +22,6 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from _support import services
 from _support.adapters import make_peft_adapter
 from _support.services import PostgresServer, RedisServer, S3Server
@@ -36,7 +33,7 @@ from loraplex.platform.app import create_app
 from loraplex.platform.resources import Resources
 from loraplex.platform.settings import Settings
 
-from .conftest import ADMIN_TOKEN, SECRET_KEY, migrate
+from .conftest import ADMIN_TOKEN, module_settings_sync, serving
 
 pytestmark = pytest.mark.integration
 
@@ -122,36 +119,12 @@ class Platform:
 
 @contextlib.contextmanager
 def _serving(app: Litestar) -> Iterator[str]:
-    """`app` on a uvicorn server (lifespan included: it starts the embedded engine), in a thread with its own
-    event loop, as in production; yields its URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=5))
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            asyncio.run(server.serve(sockets=[sock]))
-        except BaseException as exc:
-            failure.append(exc)
-
-    # The engine sets torch's (process-wide) thread count; give the rest of the session its own back.
+    """`serving`, giving the rest of the session torch's thread count back (the engine sets it process-wide)."""
     num_threads = torch.get_num_threads()
-    thread = threading.Thread(target=run, name="platform-server", daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + 120
-        while not server.started:
-            assert not failure, f"the platform failed to start: {failure[0]!r}"
-            assert thread.is_alive(), "the platform failed to start (see the log)"
-            assert time.monotonic() < deadline, "the platform did not start in time"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
+        with serving(app) as url:
+            yield url
     finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
         torch.set_num_threads(num_threads)
 
 
@@ -166,38 +139,19 @@ def settings(
 ) -> Iterator[Settings]:
     """Settings on a database, Redis prefix and bucket of this module's own, and the embedded engine on the tiny
     checkpoint with a small page pool."""
-    database = f"t_{session_tag}_{secrets.token_hex(4)}"
-    bucket = f"t-{session_tag}-{secrets.token_hex(4)}"
-    prefix = f"t{session_tag}{secrets.token_hex(4)}:"
-    asyncio.run(services.create_database(postgres_server.url, database))
-    s3 = services.s3_client(s3_server)
-    s3.create_bucket(Bucket=bucket)
-    try:
-        value = Settings(
-            data_dir=tmp_path_factory.mktemp("data"),
-            database_url=services.database_url_for(postgres_server.url, database),
-            redis_url=redis_server.url,
-            redis_prefix=prefix,
-            s3_bucket=bucket,
-            s3_endpoint_url=s3_server.endpoint_url,
-            s3_region=s3_server.region,
-            s3_access_key_id=s3_server.access_key_id,
-            s3_secret_access_key=s3_server.secret_access_key,
-            admin_token=ADMIN_TOKEN,
-            secret_key=SECRET_KEY,
-            engine_mode="embedded",
-            engine_model=str(tiny_base_checkpoint),
-            engine_dtype="float32",
-            engine_max_model_len=MAX_MODEL_LEN,
-            engine_kv_budget="8MiB",
-        )
-        asyncio.run(migrate(value))
+    with module_settings_sync(
+        tmp_path_factory.mktemp("data"),
+        postgres_server,
+        redis_server,
+        s3_server,
+        session_tag,
+        engine_mode="embedded",
+        engine_model=str(tiny_base_checkpoint),
+        engine_dtype="float32",
+        engine_max_model_len=MAX_MODEL_LEN,
+        engine_kv_budget="8MiB",
+    ) as value:
         yield value
-    finally:
-        services.purge_bucket(s3, bucket)
-        s3.close()
-        asyncio.run(services.delete_redis_keys(redis_server.url, prefix))
-        asyncio.run(services.drop_database(postgres_server.url, database))
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +32,6 @@ import httpx
 import openai
 import pytest
 import redis
-import uvicorn
 from _support import services
 from _support.adapters import make_peft_adapter
 from _support.services import PostgresServer, RedisServer, S3Server
@@ -46,7 +44,7 @@ from loraplex.platform.domain.fleet.registry import BALANCE_SLACK, Replica, Rout
 from loraplex.platform.kv import RedisStore
 from loraplex.platform.settings import Settings
 
-from .conftest import ADMIN_TOKEN, SECRET_KEY, bearer, migrate
+from .conftest import ADMIN_TOKEN, bearer, module_settings_sync, serving
 
 pytestmark = pytest.mark.integration
 
@@ -73,35 +71,16 @@ def settings(
     session_tag: str,
 ) -> Iterator[Settings]:
     """Fleet-mode settings on a database, Redis prefix and bucket of this module's own, removed after it."""
-    database = f"t_{session_tag}_{secrets.token_hex(4)}"
-    bucket = f"t-{session_tag}-{secrets.token_hex(4)}"
-    prefix = f"t{session_tag}{secrets.token_hex(4)}:"
-    asyncio.run(services.create_database(postgres_server.url, database))
-    s3 = services.s3_client(s3_server)
-    s3.create_bucket(Bucket=bucket)
-    try:
-        value = Settings(
-            data_dir=tmp_path_factory.mktemp("data"),
-            database_url=services.database_url_for(postgres_server.url, database),
-            redis_url=redis_server.url,
-            redis_prefix=prefix,
-            s3_bucket=bucket,
-            s3_endpoint_url=s3_server.endpoint_url,
-            s3_region=s3_server.region,
-            s3_access_key_id=s3_server.access_key_id,
-            s3_secret_access_key=s3_server.secret_access_key,
-            admin_token=ADMIN_TOKEN,
-            secret_key=SECRET_KEY,
-            engine_mode="fleet",
-            default_requests_per_minute=100_000,  # rate limits are test_ratelimit.py's; bursts here must pass
-        )
-        asyncio.run(migrate(value))
+    with module_settings_sync(
+        tmp_path_factory.mktemp("data"),
+        postgres_server,
+        redis_server,
+        s3_server,
+        session_tag,
+        engine_mode="fleet",
+        default_requests_per_minute=100_000,  # rate limits are test_ratelimit.py's; bursts here must pass
+    ) as value:
         yield value
-    finally:
-        services.purge_bucket(s3, bucket)
-        s3.close()
-        asyncio.run(services.delete_redis_keys(redis_server.url, prefix))
-        asyncio.run(services.drop_database(postgres_server.url, database))
 
 
 def _free_ports(count: int) -> list[int]:
@@ -226,31 +205,11 @@ class Platform:
 def platform(settings: Settings, tiny_base_checkpoint: Path) -> Iterator[Platform]:
     """The platform app on uvicorn (lifespan included) in a thread with its own event loop; BASE registered."""
     (port,) = _free_ports(1)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", lifespan="on"))
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            asyncio.run(server.serve(sockets=[sock]))
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name="platform-server", daemon=True)
-    thread.start()
-    try:
-        assert _wait_for(lambda: server.started or not thread.is_alive(), timeout_s=60), "the platform did not start"
-        assert server.started, f"the platform failed to start: {failure!r}"
-        value = Platform(f"http://127.0.0.1:{port}")
+    with serving(create_app(settings), port=port, start_timeout_s=60) as url:
+        value = Platform(url)
         response = value.post("/admin/base-models", ADMIN, json={"name": BASE, "source": str(tiny_base_checkpoint)})
         assert response.status_code == 201, response.text
         yield value
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
 
 
 @dataclass(frozen=True)

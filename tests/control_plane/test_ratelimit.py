@@ -341,3 +341,22 @@ class TestAdminSetsLimits:
         await client.patch(url, json={"limits": {"tokens_per_minute": 777}}, headers=admin_headers)
         response = await client.patch(url, json={"name": "kept"}, headers=admin_headers)
         assert response.json()["limits"]["tokens_per_minute"] == 777
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("start", [7.7, 12345.678, 0.1, 1e9 + 0.3])
+async def test_a_bucket_exactly_full_again_admits_whatever_the_clock_reads(start: float) -> None:
+    """(now + 60) - 60 - now is not always 0.0 in floating point (at now = 7.7 it is 2.7e-15): a budget of one
+    request a minute must still admit the first request and, a minute later, the next."""
+    now = [start]
+    limiter = MemoryRateLimiter(clock=lambda: now[0])
+    one = Limits(requests_per_minute=1, tokens_per_minute=1000)
+
+    async def allowed() -> bool:
+        decision = await limiter.acquire(tenant_id="t", key_id="k", tenant=one, key=one, tokens=1)
+        return decision.allowed
+
+    assert await allowed()
+    assert not await allowed()
+    now[0] += 60.0
+    assert await allowed()
