@@ -126,6 +126,11 @@ def test_api_tour_runs_as_written(dev_server: tuple[str, list[str], Path]) -> No
     assert answers["shouty"] in result.stdout.split(f"shouty: {answers['shouty']}", 1)[1], output
     usage = re.search(r'"totals":\{[^}]*"requests":(\d+)', compact)
     assert usage is not None and int(usage.group(1)) == 3, output
+    # The three requests are priced: the tenant's bill and the admin's report line agree.
+    bill = re.search(r'"billing":\{[^}]*"cost_total":"([0-9.]+)"', compact)
+    report = re.search(r'"rows":\[\{"tenant_name":"acme-tour"[^}]*"cost_total":"([0-9.]+)"', compact)
+    assert bill is not None and report is not None, output
+    assert bill.group(1) == report.group(1) and float(bill.group(1)) > 0, output
 
 
 @pytest.mark.unit
