@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import os
 import secrets
 import signal
@@ -608,13 +609,21 @@ class Heartbeat:
         return {m.decode() for m in self._client.smembers(f"{self._prefix}fleet:engines")}
 
     def close(self) -> None:
+        """Stop and withdraw, so that a failed test leaves no entry behind for the next one to trip over."""
         self.stop()
+        self.withdraw()
         self._client.close()
 
 
 def test_router_prefers_the_resident_adapter_and_drops_a_silent_replica(
-    settings: Settings, engine: EngineProcess, platform: Platform, tenant: Tenant, stub_engine: StubEngine
+    settings: Settings,
+    engine: EngineProcess,
+    platform: Platform,
+    tenant: Tenant,
+    stub_engine: StubEngine,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.DEBUG, logger="loraplex.platform.domain.fleet.registry")  # each choice, if it fails
     assert settings.redis_url is not None
     expected = _engine_chat(engine, _lora_adapter(tenant, settings))["choices"][0]["message"]["content"]
     base_text = _engine_chat(engine)["choices"][0]["message"]["content"]
@@ -642,8 +651,10 @@ def test_router_prefers_the_resident_adapter_and_drops_a_silent_replica(
         # new key goes to the stub, which is sent the adapter by its S3 folder and digest, never a tenant's path.
         stub_adapters.append(tenant.digest)
         heartbeat.beat()
-        assert _wait_for(lambda: platform.engines()[stub_engine.id]["adapters"] == [tenant.digest], timeout_s=3)
-        assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == expected
+        assert _wait_for(
+            lambda: all(replica["adapters"] == [tenant.digest] for replica in platform.engines().values()), timeout_s=3
+        ), platform.engines()
+        assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == expected, platform.engines()
         assert len(stub_engine.received) == 1
         cache_key = f"k-{secrets.token_hex(4)}"
         assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == STUB_TEXT
@@ -698,8 +709,6 @@ def test_a_stream_the_engine_cuts_off_ends_with_an_error_and_is_billed_as_one(
         row = _usage_row(platform, tenant, chunks[0].id)
         assert row is not None and (row["status"], row["completion_tokens"]) == ("error", 1)
     finally:
-        heartbeat.stop()
-        heartbeat.withdraw()
         heartbeat.close()
 
 
@@ -736,8 +745,6 @@ def test_an_engine_gets_more_concurrent_requests_than_an_http_pool_default(
         assert [r.status_code for r in responses] == [200] * num_requests
         assert {r.json()["choices"][0]["message"]["content"] for r in responses} == {STUB_TEXT}
     finally:
-        heartbeat.stop()
-        heartbeat.withdraw()
         heartbeat.close()
 
 
@@ -762,8 +769,6 @@ def test_a_replica_that_refuses_connections_is_routed_around(
             assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == expected
         assert ghost.id in platform.engines()  # still registered (its key lives): only the routing avoids it
     finally:
-        heartbeat.stop()
-        heartbeat.withdraw()
         heartbeat.close()
 
 

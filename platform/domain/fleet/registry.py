@@ -243,6 +243,15 @@ class Router:
             return (resident, warm, loads[replica.id])
 
         chosen = min(balanced, key=score)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "routed to %s: loads %s, balanced %s, warm %s, resident %s",
+                chosen.id,
+                loads,
+                [r.id for r in balanced],
+                warm_id,
+                [r.id for r in candidates if adapter_digest is not None and adapter_digest in r.adapters],
+            )
         self._sent.setdefault(chosen.id, collections.deque()).append(now)
         if affinity is not None and chosen.id != warm_id:
             with contextlib.suppress(RedisError, OSError):
