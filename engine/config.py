@@ -9,6 +9,9 @@ from typing import Literal
 import torch
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
+# Weight-only quantization of the decoder layers' projections, done at load from a 16/32-bit checkpoint.
+QuantizationName = Literal["int8", "int4"]
+QUANTIZATIONS: tuple[QuantizationName, ...] = ("int8", "int4")
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -30,6 +33,10 @@ class EngineConfig:
     seed: int = 0  # default generator of unseeded sampling
     num_threads: int | None = None  # CPU threads for torch; default: torch's choice
     served_model_name: str | None = None
+    # None: weights in `dtype`. int8 (per output channel) or int4 (group-wise, with zero points): the four
+    # projections of every layer are quantized at load (round to nearest); embeddings, lm_head, norms and LoRA
+    # adapters stay in `dtype`, which is also the activations' dtype.
+    quantization: QuantizationName | None = None
     # LoRA: adapters resident in the pool at once, the largest rank accepted, distinct adapters per step, the
     # host-memory tier's budget (bytes), and where s3:// adapters are read from (None: AWS's endpoint).
     max_loras: int = 64
@@ -46,6 +53,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', not {self.quantization!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
         if self.max_model_len is not None and self.max_model_len < 1:

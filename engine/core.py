@@ -47,6 +47,8 @@ class EngineState:
     prefix_cache_blocks: int = 0  # full blocks the prefix cache knows (in use or evictable)
     prefix_cache_queried_tokens: int = 0  # prompt tokens of admitted requests, since start
     prefix_cache_hit_tokens: int = 0  # of those, served from the cache
+    weight_bytes: int = 0  # the model's weights as kept (quantized ones with their scales)
+    quantization: str | None = None  # None, "int8" or "int4"
 
 
 class EngineCore:
@@ -64,15 +66,21 @@ class EngineCore:
 
         started = time.perf_counter()
         self.model = LlamaModel(
-            self.model_config, dtype=self.dtype, device=self.device, max_positions=self.max_model_len
+            self.model_config,
+            dtype=self.dtype,
+            device=self.device,
+            max_positions=self.max_model_len,
+            quantization=config.quantization,
         )
         self.model.load(CheckpointTensors(path))
+        self.weight_bytes = self.model.weight_bytes()
         logger.info(
-            "loaded %s (%s, %.1f M parameters, %.0f MiB) in %.1f s",
+            "loaded %s (%s, weights %s, %.1f M parameters, %.1f MiB) in %.1f s",
             path,
             self.dtype,
+            config.quantization or "unquantized",
             self.model_config.num_parameters() / 1e6,
-            self.model.weight_bytes() / 2**20,
+            self.weight_bytes / 2**20,
             time.perf_counter() - started,
         )
 
@@ -307,6 +315,8 @@ class EngineCore:
             prefix_cache_blocks=cache.num_blocks if cache is not None else 0,
             prefix_cache_queried_tokens=cache.stats.queried_tokens if cache is not None else 0,
             prefix_cache_hit_tokens=cache.stats.hit_tokens if cache is not None else 0,
+            weight_bytes=self.weight_bytes,
+            quantization=self.config.quantization,
         )
 
     def reset_prefix_cache(self) -> int:

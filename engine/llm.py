@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Required, TypedDict
 
 from loraplex.engine.adapter_ref import AdapterRef, LoRARequest
-from loraplex.engine.config import DTypeName, EngineConfig
+from loraplex.engine.config import DTypeName, EngineConfig, QuantizationName
 from loraplex.engine.core import EngineCore
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -40,14 +40,23 @@ class _Encoded:
 class LLM:
     """Loads a model once and runs batches of prompts through the continuous-batching engine.
 
+    `quantization`: None, "int8" (per output channel) or "int4" (group-wise): the decoder layers' projections
+    are quantized at load from the 16/32-bit checkpoint; embeddings, lm_head and LoRA adapters stay in `dtype`.
     `options` are EngineConfig fields: max_model_len, kv_budget, block_size, max_num_seqs,
     max_num_batched_tokens, seed, device, num_threads, served_model_name.
     """
 
-    def __init__(self, model: str | Path, *, dtype: DTypeName = "auto", **options: Any) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: DTypeName = "auto",
+        quantization: QuantizationName | None = None,
+        **options: Any,
+    ) -> None:
         if "gpu_memory_utilization" in options:  # vLLM's name for the same budget
             options["kv_budget"] = float(options.pop("gpu_memory_utilization"))
-        self.engine = EngineCore(EngineConfig(model=Path(model), dtype=dtype, **options))
+        self.engine = EngineCore(EngineConfig(model=Path(model), dtype=dtype, quantization=quantization, **options))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -64,6 +64,9 @@ class _StateCollector(Collector):
             f"{_PREFIX}_preemptions", "Requests preempted (recomputed later) for lack of pages.", state.num_preemptions
         )
         yield CounterMetricFamily(f"{_PREFIX}_steps", "Engine steps run.", state.num_steps)
+        yield GaugeMetricFamily(
+            f"{_PREFIX}_weight_bytes", "Bytes of model weights held (quantized ones with scales).", state.weight_bytes
+        )
 
 
 class EngineMetrics:

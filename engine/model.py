@@ -1,7 +1,9 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
 
 Weights are plain tensors, fused where one matmul can do the work of several (q/k/v, gate/up): fewer, larger
-matmuls are what a CPU (and a GPU at small batch) runs fastest. Every forward takes a ForwardBatch of flat tokens
+matmuls are what a CPU (and a GPU at small batch) runs fastest. With quantization the four projections of each
+layer are int8 or int4 weight objects instead (engine/quant_linear.py), quantized at load one layer at a time;
+everything else stays in the model's dtype. Every forward takes a ForwardBatch of flat tokens
 from many sequences at once; attention reads each sequence's keys through its block table.
 """
 
@@ -12,11 +14,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from loraplex.engine.config import QuantizationName
 from loraplex.engine.errors import CheckpointError
 from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.lora_batch import LoraCompute
 from loraplex.engine.model_config import ModelConfig
 from loraplex.engine.page_pool import KVLayer
+from loraplex.engine.quant_linear import Weight, addmm, linear, nbytes, quantize
 from loraplex.engine.rope import RotaryEmbedding, interleave_rotary_rows
 from loraplex.engine.weights import CheckpointTensors
 from loraplex.kernels.paged_attention import paged_attention
@@ -29,12 +33,15 @@ _LM_HEAD_SLICE = 2048
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]: q, k, v projections stacked
+    qkv: Weight  # [q_size + 2 * kv_size, hidden]: q, k, v projections stacked
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
-    o: torch.Tensor  # [hidden, q_size]
+    o: Weight  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate and up projections stacked
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Weight  # [2 * intermediate, hidden]: gate and up projections stacked
+    down: Weight  # [hidden, intermediate]
+
+    def projections(self) -> tuple[Weight, ...]:
+        return (self.qkv, self.o, self.gate_up, self.down)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,9 +61,11 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
+        quantization: QuantizationName | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
+        self.quantization = quantization
         self.device = device
         self.rope = RotaryEmbedding(
             config.head_dim,
@@ -75,6 +84,12 @@ class LlamaModel:
 
     def load(self, tensors: CheckpointTensors) -> None:
         c = self.config
+        prequantized = sorted(n for n in tensors.names if n.endswith((".qweight", ".qzeros", ".g_idx")))
+        if prequantized:
+            raise CheckpointError(
+                f"the checkpoint holds pre-quantized tensors ('{prequantized[0]}', GPTQ/AWQ), which loraplex does "
+                "not load: give a 16/32-bit checkpoint and quantization='int8' or 'int4' to quantize it at load"
+            )
         self.embed = self._take(tensors, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.norm = self._take(tensors, "model.norm.weight", (c.hidden_size,))
         if c.tie_word_embeddings or "lm_head.weight" not in tensors.names:
@@ -83,14 +98,21 @@ class LlamaModel:
             self.lm_head = self.embed
         else:
             self.lm_head = self._take(tensors, "lm_head.weight", (c.vocab_size, c.hidden_size))
+        # One layer at a time: a quantized load never holds more than one layer's float weights.
         self.layers = [self._load_layer(tensors, i) for i in range(c.num_layers)]
 
     def _load_layer(self, tensors: CheckpointTensors, i: int) -> LayerWeights:
         c = self.config
         p = f"model.layers.{i}."
-        q = self._take(tensors, p + "self_attn.q_proj.weight", (c.q_size, c.hidden_size))
-        k = self._take(tensors, p + "self_attn.k_proj.weight", (c.kv_size, c.hidden_size))
-        v = self._take(tensors, p + "self_attn.v_proj.weight", (c.kv_size, c.hidden_size))
+        # Quantized projections are read in float32, so the rounding starts from the checkpoint's own values.
+        proj_dtype = torch.float32 if self.quantization is not None else self.dtype
+
+        def proj(name: str, shape: tuple[int, int]) -> torch.Tensor:
+            return self._take(tensors, p + name, shape, dtype=proj_dtype)
+
+        q = proj("self_attn.q_proj.weight", (c.q_size, c.hidden_size))
+        k = proj("self_attn.k_proj.weight", (c.kv_size, c.hidden_size))
+        v = proj("self_attn.v_proj.weight", (c.kv_size, c.hidden_size))
         q = interleave_rotary_rows(q, c.num_heads, c.head_dim)
         k = interleave_rotary_rows(k, c.num_kv_heads, c.head_dim)
         bias = None
@@ -106,19 +128,29 @@ class LlamaModel:
                     self._take(tensors, p + "self_attn.v_proj.bias", (c.kv_size,)),
                 ]
             )
-        gate = self._take(tensors, p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
-        up = self._take(tensors, p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
+        gate = proj("mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
+        up = proj("mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
         return LayerWeights(
             input_norm=self._take(tensors, p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=torch.cat([q, k, v]),
+            qkv=self._quantized(torch.cat([q, k, v])),
             qkv_bias=bias,
-            o=self._take(tensors, p + "self_attn.o_proj.weight", (c.hidden_size, c.q_size)),
+            o=self._quantized(proj("self_attn.o_proj.weight", (c.hidden_size, c.q_size))),
             post_norm=self._take(tensors, p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=torch.cat([gate, up]),
-            down=self._take(tensors, p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)),
+            gate_up=self._quantized(torch.cat([gate, up])),
+            down=self._quantized(proj("mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
         )
 
-    def _take(self, tensors: CheckpointTensors, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def _quantized(self, weight: torch.Tensor) -> Weight:
+        if self.quantization is None:
+            return weight
+        try:
+            return quantize(weight, self.quantization)
+        except ValueError as exc:
+            raise CheckpointError(f"quantization {self.quantization!r} does not fit this model: {exc}") from None
+
+    def _take(
+        self, tensors: CheckpointTensors, name: str, shape: tuple[int, ...], *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         if name not in tensors.names:
             raise CheckpointError(f"the checkpoint has no tensor '{name}'")
         tensor = tensors.get(name)
@@ -128,16 +160,27 @@ class LlamaModel:
                 f"but config.json implies {shape}"
             )
         if not tensor.is_floating_point():
-            raise CheckpointError(f"tensor '{name}' in {tensors.file_of(name)} has dtype {tensor.dtype}")
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+            raise CheckpointError(
+                f"tensor '{name}' in {tensors.file_of(name)} has dtype {tensor.dtype}: loraplex loads 16/32-bit "
+                "checkpoints (for int8 or int4 weights, set quantization on a 16/32-bit checkpoint)"
+            )
+        return tensor.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        """Bytes of every weight the model keeps: quantized projections with their scales and zero points, and
+        the parts in the model's dtype (embeddings, lm_head unless tied, norms, biases)."""
+        weights: list[Weight] = [self.embed, self.norm]
+        if self.lm_head is not self.embed:
+            weights.append(self.lm_head)
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+            weights += [layer.input_norm, layer.post_norm, *layer.projections()]
             if layer.qkv_bias is not None:
-                tensors.append(layer.qkv_bias)
-        return sum(t.numel() * t.element_size() for t in tensors)
+                weights.append(layer.qkv_bias)
+        return sum(nbytes(w) for w in weights)
+
+    def projection_bytes(self) -> int:
+        """Bytes of the layers' four projections, the only weights quantization changes."""
+        return sum(nbytes(w) for layer in self.layers for w in layer.projections())
 
     # --- forward -------------------------------------------------------------------------------------------------
 
@@ -151,7 +194,7 @@ class LlamaModel:
         adapters = lora if lora is not None and batch.lora else None
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
             if adapters is not None:
                 adapters.add(batch.lora, index, "qkv", x, qkv)
             q, k, v = torch.split(qkv, [c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -171,19 +214,18 @@ class LlamaModel:
                 max_query_len=batch.max_query_len,
                 max_seq_len=batch.max_seq_len,
             )
-            # addmm adds the residual inside the matmul: one pass over the activations fewer.
             attn = attn.view(-1, c.q_size)
-            hidden = torch.addmm(hidden, attn, layer.o.t())
+            hidden = addmm(hidden, attn, layer.o)
             if adapters is not None:
                 adapters.add(batch.lora, index, "o", attn, hidden)
 
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            gate_up = F.linear(x, layer.gate_up)
+            gate_up = linear(x, layer.gate_up)
             if adapters is not None:
                 adapters.add(batch.lora, index, "gate_up", x, gate_up)
             act = F.silu(gate_up[:, : c.intermediate_size])
             act.mul_(gate_up[:, c.intermediate_size :])  # in place: a fresh large tensor costs page faults
-            hidden = torch.addmm(hidden, act, layer.down.t())
+            hidden = addmm(hidden, act, layer.down)
             if adapters is not None:
                 adapters.add(batch.lora, index, "down", act, hidden)
         return rms_norm(hidden, self.norm, c.rms_norm_eps)

@@ -523,6 +523,8 @@ class OpenAIServing:
             "num_running": state.num_running,
             "num_preemptions": state.num_preemptions,
             "num_steps": state.num_steps,
+            "weight_bytes": state.weight_bytes,
+            "quantization": state.quantization,
             "pool": {
                 "num_pages": pool.num_pages,
                 "num_free": pool.num_free,

@@ -168,6 +168,13 @@ def engine() -> None:
     help="Weight and KV dtype; auto is the checkpoint's (float32 for half checkpoints on a CPU).",
 )
 @click.option(
+    "--quantization",
+    type=click.Choice(["int8", "int4"]),
+    default=None,
+    help="Quantize the decoder layers' weights at load (weight-only, round to nearest): int8 per output channel, "
+    "int4 in groups of 128 with zero points. Embeddings, lm_head and LoRA adapters stay in --dtype.",
+)
+@click.option(
     "--max-model-len", type=click.IntRange(min=1), default=None, help="Context length cap (default: the model's)."
 )
 @click.option(
@@ -257,6 +264,7 @@ def engine_serve(
     host: str,
     port: int,
     dtype: str,
+    quantization: str | None,
     max_model_len: int | None,
     kv_budget: str | None,
     gpu_memory_utilization: float | None,
@@ -346,6 +354,7 @@ def engine_serve(
         config = EngineConfig(
             model=model_path,
             dtype=dtype,  # type: ignore[arg-type]  # click.Choice checked it
+            quantization=quantization,  # type: ignore[arg-type]  # click.Choice checked it
             device=device,
             max_model_len=max_model_len,
             kv_budget=budget,

@@ -21,7 +21,7 @@ from loraplex.platform.domain.api_keys.keys import KeyHasher
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
 from loraplex.platform.domain.base_models.service import ModelConfigs
-from loraplex.platform.domain.fleet.embedded import start_embedded_fleet
+from loraplex.platform.domain.fleet.embedded import embedded_model, embedded_quantization, start_embedded_fleet
 from loraplex.platform.domain.fleet.registry import EmptyFleet, Fleet, RedisFleet, Router
 from loraplex.platform.domain.usage.recorder import UsageRecorder, open_usage_recorder
 from loraplex.platform.kv import KeyValueStore, RedisStore, open_kv_store
@@ -158,10 +158,19 @@ async def _open_fleet(
         if not isinstance(kv, RedisStore):
             raise SettingsError("invalid settings: LORAPLEX_ENGINE_MODE=fleet needs LORAPLEX_REDIS_URL (the registry)")
         return RedisFleet(kv), None
-    fleet, engine, name, path = await start_embedded_fleet(settings)
+    name, _ = embedded_model(settings)
     async with sessions() as session:
-        # The embedded engine's model is a base model like any other, registered on first start.
-        if await BaseModelRepository(session).get_by_name(name) is None:
-            await BaseModelRepository(session).add(BaseModel(name=name, source=str(path)))
-            await session.commit()
+        registered = await BaseModelRepository(session).get_by_name(name)
+        quantization = embedded_quantization(settings, registered.quantization if registered else None)
+    fleet, engine, name, path = await start_embedded_fleet(settings, quantization)
+    async with sessions() as session:
+        # The embedded engine's model is a base model like any other, registered on first start; its record says
+        # the quantization served (LORAPLEX_ENGINE_QUANTIZATION may have changed it since).
+        models = BaseModelRepository(session)
+        row = await models.get_by_name(name)
+        if row is None:
+            await models.add(BaseModel(name=name, source=str(path), quantization=quantization))
+        elif row.quantization != quantization:
+            row.quantization = quantization
+        await session.commit()
     return fleet, engine

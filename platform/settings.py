@@ -127,6 +127,11 @@ class Settings(BaseSettings):
     engine_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="Weight and activation dtype of the embedded engine."
     )
+    engine_quantization: Literal["none", "int8", "int4"] | None = Field(
+        default=None,
+        description="Weight-only quantization of the embedded engine's base model, done at load: int8 or int4; "
+        "none forces full weights. Unset: what the base model was registered with (none at first start).",
+    )
     engine_max_model_len: int | None = Field(
         default=None, ge=16, description="Context length cap; default: the model's."
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from loraplex.engine.adapter_manager import AdapterState
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.config import EngineConfig
+from loraplex.engine.config import QUANTIZATIONS, EngineConfig, QuantizationName
 from loraplex.platform.domain.fleet.client import InProcessEngineClient
 from loraplex.platform.domain.fleet.registry import LocalFleet, Replica
 from loraplex.platform.settings import Settings, parse_memory_budget
@@ -42,19 +42,34 @@ def embedded_model(settings: Settings) -> tuple[str, Path]:
     return DEMO_MODEL_NAME, demo
 
 
+def embedded_quantization(settings: Settings, registered: str | None) -> QuantizationName | None:
+    """The quantization the embedded engine serves: LORAPLEX_ENGINE_QUANTIZATION if set ("none" for full weights),
+    else the one its base model is registered with (`registered`, the base_models row's field)."""
+    chosen = settings.engine_quantization or registered or "none"
+    if chosen == "none":
+        return None
+    for known in QUANTIZATIONS:
+        if chosen == known:
+            return known
+    raise RuntimeError(f"the base model's quantization {chosen!r} is not one the engine knows")
+
+
 def adapter_roots(settings: Settings) -> list[str]:
     if settings.s3_bucket is not None:
         return [f"s3://{settings.s3_bucket}/tenants/"]
     return [str(settings.objects_dir.resolve() / "tenants")]
 
 
-async def start_embedded_fleet(settings: Settings) -> tuple[LocalFleet, AsyncEngine, str, Path]:
+async def start_embedded_fleet(
+    settings: Settings, quantization: QuantizationName | None = None
+) -> tuple[LocalFleet, AsyncEngine, str, Path]:
     from loraplex.engine.server import create_engine_app
 
     name, path = embedded_model(settings)
     config = EngineConfig(
         model=path,
         dtype=settings.engine_dtype,
+        quantization=quantization,
         max_model_len=settings.engine_max_model_len,
         kv_budget=parse_memory_budget(settings.engine_kv_budget),
         served_model_name=name,
@@ -70,7 +85,13 @@ async def start_embedded_fleet(settings: Settings) -> tuple[LocalFleet, AsyncEng
     )
     started = time.perf_counter()
     engine = await AsyncEngine.create(config)
-    logger.info("embedded engine serving %s from %s (%.1f s)", name, path, time.perf_counter() - started)
+    logger.info(
+        "embedded engine serving %s from %s (%s, %.1f s)",
+        name,
+        path,
+        quantization or "unquantized",
+        time.perf_counter() - started,
+    )
     app = create_engine_app(engine, adapter_roots=adapter_roots(settings))
 
     def state() -> Replica:

@@ -1,0 +1,92 @@
+"""Weight-only quantized linear layers for the shared base weights: int8 per output channel, int4 per group.
+
+Formats (what is kept in memory; nothing dequantized is cached, so `nbytes()` is the whole cost):
+
+    Int8Weight: qweight int8 [out, in], scales float32 [out]
+        w[n, k] ~= qweight[n, k] * scales[n]                           (symmetric, scale = max|w[n, :]| / 127)
+    Int4Weight: packed uint8 [out, in // 2], scales and zeros float32 [out, in // group_size]
+        q[n, k] = (packed[n, k // 2] >> 4 * (k % 2)) & 0xF             (low nibble = even column, q in 0..15)
+        w[n, k] ~= (q[n, k] - zeros[n, g]) * scales[n, g],  g = k // group_size   (asymmetric, RTN min/max)
+
+Bytes against bf16 for a [1024, 512] matrix: int8 0.504 (scales included), int4 0.281 (group_size 128).
+
+Semantics (the reference loop; every path computes it with a float32 accumulator):
+
+    W = dequantize(w)                                                   # float32 [out, in]
+    for t in range(num_tokens):
+        for n in range(out_features):
+            y[t, n] = sum(x[t, k] * W[n, k] for k in range(in_features)) + (bias[n] if bias is not None else 0)
+    # y is [num_tokens, out_features] in x.dtype, rounded once
+
+`int8_linear` and `int4_linear` dispatch: the Triton kernels for CUDA tensors, the torch paths otherwise. The
+torch paths are what CPU serving runs (benchmarks/quant_cpu.py times them against the alternatives tried); they
+dequantize up to 2^19 weight elements at a time into a float32 buffer, which a caller should keep and pass as
+`workspace` (one `torch.empty(workspace_elems(max in_features))` per process, not shared across threads): a new
+2 MiB buffer per call can cost page faults (1.2 instead of 0.35 ms for a 1-token gate_up).
+
+Layout: this module is the entry point (the semantics above, the dispatch, and the names callers import). Each
+op keeps its Triton kernel, launcher and torch path in one module, kernels/quant_int8.py and kernels/quant_int4.py;
+the formats, quantizers, dequantizers and shared checks are in kernels/quant_formats.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels.quant_formats import (
+    GROUP_SIZE,
+    Int4Weight,
+    Int8Weight,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+    workspace_elems,
+)
+from loraplex.kernels.quant_int4 import int4_linear_torch, int4_linear_triton
+from loraplex.kernels.quant_int8 import int8_linear_torch, int8_linear_triton
+
+__all__ = [
+    "GROUP_SIZE",
+    "Int4Weight",
+    "Int8Weight",
+    "dequantize_int4",
+    "dequantize_int8",
+    "int4_linear",
+    "int4_linear_torch",
+    "int4_linear_triton",
+    "int8_linear",
+    "int8_linear_torch",
+    "int8_linear_triton",
+    "quantize_int4",
+    "quantize_int8",
+    "unpack_int4",
+    "workspace_elems",
+]
+
+
+def int8_linear(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    w: Int8Weight,
+    bias: torch.Tensor | None = None,  # [out_features]
+    *,
+    workspace: torch.Tensor | None = None,  # float32, >= workspace_elems(in_features); CPU path only
+) -> torch.Tensor:
+    """x @ dequantize_int8(w)^T (+ bias), [num_tokens, out_features] in x.dtype; see the module docstring."""
+    if x.is_cuda:
+        return int8_linear_triton(x, w, bias)
+    return int8_linear_torch(x, w, bias, workspace=workspace)
+
+
+def int4_linear(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    w: Int4Weight,
+    bias: torch.Tensor | None = None,  # [out_features]
+    *,
+    workspace: torch.Tensor | None = None,  # float32, >= workspace_elems(in_features); CPU path only
+) -> torch.Tensor:
+    """x @ dequantize_int4(w)^T (+ bias), [num_tokens, out_features] in x.dtype; see the module docstring."""
+    if x.is_cuda:
+        return int4_linear_triton(x, w, bias)
+    return int4_linear_torch(x, w, bias, workspace=workspace)

@@ -1,0 +1,174 @@
+"""The int8 weight-only matmul, y = x @ dequantize(w)^T (+ bias): its torch path, Triton kernel and launcher.
+
+kernels/quant.py states the format and the semantics and its `int8_linear` picks the path; the format, quantizer
+and checks live in kernels/quant_formats.py."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels.quant_formats import HAS_TRITON, TILE_ELEMS, Int8Weight, check_linear, tile_buffer, tile_rows
+
+if HAS_TRITON:
+    import triton  # type: ignore[import-untyped]
+    import triton.language as tl  # type: ignore[import-untyped]
+
+__all__ = ["int8_linear_torch", "int8_linear_triton"]
+
+# Weight elements dequantized per step of the torch path (a float32 buffer of 2 MiB): the int8 codes stay the only
+# copy in memory. benchmarks/quant_cpu.py (2 cores): 2^19 beat 2^17 at every decode shape (a 1-token gate_up 0.35
+# against 0.62 ms: fewer, larger matmuls) and matched dequantizing the whole matrix per call except on down
+# [512, 1408] (0.59 against 0.36 ms at 1 token), a transient full copy the largest matrices of a bigger model
+# could not afford. The tests shrink it to cover several tiles.
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Torch path (CPU serving)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def int8_linear_torch(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    w: Int8Weight,
+    bias: torch.Tensor | None = None,  # [out_features]
+    *,
+    workspace: torch.Tensor | None = None,  # float32, >= workspace_elems(in_features) elements
+) -> torch.Tensor:
+    """The torch path, in float32: the codes are converted to float32 a tile of output rows at a time (exact: int8
+    fits float32) and multiplied with x; the per-channel scale multiplies the product. Returns [num_tokens,
+    out_features] in x.dtype. `workspace`, kept by the caller across calls, holds the tile (see tile_buffer).
+
+    Not torch's fused `_weight_int8pack_mm`: for float32 x, at 1 token it was as fast on some matrices and up to
+    1.8x slower on others, and 10-40x slower from 16 tokens up; with bfloat16 x it is fast but rounds x to 8
+    bits, and it crashed (segmentation fault) for in_features 200 and 264 in torch 2.13. See
+    benchmarks/quant_cpu.py."""
+    check_linear(x, w.shape, w.qweight.device, bias)
+    num_tokens = x.shape[0]
+    out_features, in_features = w.shape
+    xf = x.float()
+    y = torch.empty(num_tokens, out_features, dtype=torch.float32, device=x.device)
+    rows = tile_rows(out_features, in_features, TILE_ELEMS)
+    tile = tile_buffer(workspace, rows * in_features, x.device).view(rows, in_features)
+    for start in range(0, out_features, rows):
+        end = min(out_features, start + rows)
+        t = tile[: end - start]
+        t.copy_(w.qweight[start:end])
+        torch.mm(xf, t.t(), out=y[:, start:end])
+    y.mul_(w.scales)
+    if bias is not None:
+        y.add_(bias)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Triton kernel and launcher (CUDA; CPU under TRITON_INTERPRET=1 for tests)
+# ---------------------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _int8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton reads parameter annotations itself
+        # Pointers
+        x_ptr,  # [num_tokens, in_features]
+        qweight_ptr,  # [out_features, in_features] int8
+        scales_ptr,  # [out_features] float32
+        bias_ptr,  # [out_features], or any pointer when not HAS_BIAS
+        out_ptr,  # [num_tokens, out_features], x's dtype
+        # Sizes
+        num_tokens,
+        out_features,
+        in_features,
+        # Strides
+        stride_x_token,
+        stride_x_feature,
+        stride_w_out,
+        stride_w_in,
+        stride_o_token,
+        stride_o_feature,
+        # Meta-parameters
+        BLOCK_T: tl.constexpr,  # tokens per program
+        BLOCK_N: tl.constexpr,  # output features per program
+        BLOCK_K: tl.constexpr,  # input features per step of the reduction
+        HAS_BIAS: tl.constexpr,
+        DOT_FP32: tl.constexpr,  # upcast x for tl.dot: the interpreter gets half-type dots wrong
+        DOT_PRECISION: tl.constexpr,  # "ieee" for float32 x: TF32 would drop its low mantissa bits
+    ):
+        """Program (token tile, output tile): out[t, n] = sum_k x[t, k] * q[n, k] * scale[n] (+ bias[n]).
+
+        The codes are loaded as int8 and converted in registers (to x's dtype, exact: int8 fits every float
+        type here); the scale multiplies the float32 accumulator once, after the reduction."""
+        pid_t = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        t_valid = offs_t < num_tokens
+        n_valid = offs_n < out_features
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for k_start in range(0, in_features, BLOCK_K):
+            k = k_start + offs_k
+            k_valid = k < in_features
+            x = tl.load(
+                x_ptr + offs_t[:, None].to(tl.int64) * stride_x_token + k[None, :] * stride_x_feature,
+                mask=t_valid[:, None] & k_valid[None, :],
+                other=0.0,
+            )  # [BLOCK_T, BLOCK_K]
+            q = tl.load(
+                qweight_ptr + offs_n[:, None].to(tl.int64) * stride_w_out + k[None, :] * stride_w_in,
+                mask=n_valid[:, None] & k_valid[None, :],
+                other=0,
+            )  # [BLOCK_N, BLOCK_K] int8
+            if DOT_FP32:
+                x = x.to(tl.float32)
+            acc += tl.dot(x, tl.trans(q.to(x.dtype)), input_precision=DOT_PRECISION)
+        acc *= tl.load(scales_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            out_ptr + offs_t[:, None].to(tl.int64) * stride_o_token + offs_n[None, :] * stride_o_feature,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=t_valid[:, None] & n_valid[None, :],
+        )
+
+
+def int8_linear_triton(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    w: Int8Weight,
+    bias: torch.Tensor | None = None,  # [out_features]
+) -> torch.Tensor:
+    """Launch the int8 kernel: check, allocate, launch. CPU tensors work under TRITON_INTERPRET=1."""
+    if not HAS_TRITON:
+        raise RuntimeError("int8_linear_triton needs Triton (the `kernels` extra); use int8_linear_torch")
+    check_linear(x, w.shape, w.qweight.device, bias)
+    num_tokens = x.shape[0]
+    out_features, in_features = w.shape
+    out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or out_features == 0:
+        return out
+    if in_features == 0:
+        return out.copy_(bias) if bias is not None else out.zero_()
+    interpret = x.device.type == "cpu"  # only the interpreter runs on CPU tensors
+    block_t = 16 if num_tokens <= 16 else 64  # 16 rows is tl.dot's minimum: decode wastes few
+    # The interpreter runs a program per tile in Python: large tiles keep the tests fast.
+    block_n = 128 if interpret else 64
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(out_features, block_n))
+    _int8_linear_kernel[grid](
+        x,
+        w.qweight,
+        w.scales,
+        bias if bias is not None else w.scales,
+        out,
+        num_tokens,
+        out_features,
+        in_features,
+        *x.stride(),
+        *w.qweight.stride(),
+        *out.stride(),
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        BLOCK_K=128 if interpret else 64,
+        HAS_BIAS=bias is not None,
+        DOT_FP32=interpret,
+        DOT_PRECISION="ieee" if interpret or x.dtype == torch.float32 else "tf32",
+    )
+    return out
