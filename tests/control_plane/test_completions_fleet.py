@@ -41,7 +41,7 @@ from openai.types.chat import ChatCompletionChunk
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.platform.app import create_app
 from loraplex.platform.domain.fleet.client import EngineClient
-from loraplex.platform.domain.fleet.registry import BALANCE_SLACK, Replica, Router
+from loraplex.platform.domain.fleet.registry import BALANCE_SLACK, RECENT_S, Replica, Router
 from loraplex.platform.kv import RedisStore
 from loraplex.platform.settings import Settings
 
@@ -628,7 +628,13 @@ def test_router_prefers_the_resident_adapter_and_drops_a_silent_replica(
     expected = _engine_chat(engine, _lora_adapter(tenant, settings))["choices"][0]["message"]["content"]
     base_text = _engine_chat(engine)["choices"][0]["message"]["content"]
     assert _chat_text(tenant, platform) == expected  # one replica: the adapter becomes resident on it
-    assert _wait_for(lambda: platform.engines()[ENGINE_ID]["adapters"] == [tenant.digest], timeout_s=5)
+
+    def idle_with_adapter() -> bool:  # loads decide only between replicas within BALANCE_SLACK: start from idle
+        replica = platform.engines()[ENGINE_ID]
+        return replica["adapters"] == [tenant.digest] and (replica["num_waiting"], replica["num_running"]) == (0, 0)
+
+    assert _wait_for(idle_with_adapter, timeout_s=30), platform.engines()
+    time.sleep(RECENT_S)  # and let the router forget its own recent picks
 
     stub_adapters: list[str] = []
     heartbeat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: stub_engine.record(stub_adapters))

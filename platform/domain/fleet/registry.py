@@ -245,9 +245,12 @@ class Router:
         chosen = min(balanced, key=score)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "routed to %s: loads %s, balanced %s, warm %s, resident %s",
+                "routed to %s: loads %s (announced waiting/running %s, recent picks %s), balanced %s, warm %s, "
+                "resident %s",
                 chosen.id,
                 loads,
+                {r.id: (r.num_waiting, r.num_running) for r in candidates},
+                recent,
                 [r.id for r in balanced],
                 warm_id,
                 [r.id for r in candidates if adapter_digest is not None and adapter_digest in r.adapters],
