@@ -61,5 +61,6 @@ class KVCacheManager:
             pages = request.block_ids
             self.pool.release(pages)
             request.block_ids = []
+            request.num_offered_blocks = 0  # a restart (after preemption) offers its blocks again
             if self.prefix_cache is not None:
                 self.prefix_cache.released(pages[::-1])

@@ -77,7 +77,7 @@ class PrefixCache:
             for index in range(len(done), num_blocks):
                 parent = block_hash(parent, request.tokens(index * size, (index + 1) * size))
                 done.append(parent)
-        return done[:num_blocks]
+        return done  # at least num_blocks long; callers read only the first num_blocks
 
     def match(self, request: Request) -> list[PageId]:
         """The longest run of cached blocks that starts the request's tokens, each taken with a reference.
@@ -88,7 +88,9 @@ class PrefixCache:
         num_blocks = (request.num_tokens - 1) // self.block_size
         pages: list[PageId] = []
         size = self.block_size
-        for index, digest in enumerate(self.hashes(request, num_blocks)):
+        hashes = self.hashes(request, num_blocks)
+        for index in range(num_blocks):
+            digest = hashes[index]
             entry = self._entries.get(digest)
             if entry is None or entry.tokens != tuple(request.tokens(index * size, (index + 1) * size)):
                 break
@@ -100,10 +102,15 @@ class PrefixCache:
         return pages
 
     def insert(self, request: Request) -> None:
-        """Remember the request's full blocks whose K/V are computed (and not known yet)."""
+        """Remember the request's full blocks whose K/V are computed, from the first one not offered yet (a step
+        completes at most a few blocks; the ones before were offered in earlier steps)."""
         size = self.block_size
         num_full = min(request.num_computed_tokens // size, len(request.block_ids))
-        for index, digest in enumerate(self.hashes(request, num_full)):
+        if num_full <= request.num_offered_blocks:
+            return
+        hashes = self.hashes(request, num_full)
+        for index in range(request.num_offered_blocks, num_full):
+            digest = hashes[index]
             if digest in self._entries:
                 continue  # already cached, from this request (a hit) or another one that computed it first
             page = request.block_ids[index]
@@ -112,6 +119,7 @@ class PrefixCache:
             self._entries[digest] = _Entry(page, tuple(request.tokens(index * size, (index + 1) * size)))
             self._hash_of_page[page] = digest
             self.pool.incref(page)
+        request.num_offered_blocks = num_full
 
     def released(self, pages: list[PageId]) -> None:
         """After requests dropped `pages`: those only the cache still holds may be evicted from now on.

@@ -44,6 +44,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at the first admission)
     cache_salt: str | None = None  # set by a trusted caller (the platform: per tenant); part of block 0's hash
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, filled in by the prefix cache
+    num_offered_blocks: int = 0  # leading full blocks already offered to the prefix cache (while it holds them)
     adapter: AdapterEntry | None = None  # None: the base model
     error: str | None = None  # why it finished with FINISHED_ERROR
 
