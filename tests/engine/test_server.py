@@ -7,12 +7,9 @@ and ignore_eos so the outputs are deterministic and as long as asked.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import re
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,8 +19,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
+from _support.engine_server import running_engine_server
+from litestar import Litestar
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import EngineConfig
@@ -72,47 +69,13 @@ class Server:
         return float(match.group(1)) if match else 0.0
 
 
-@contextlib.contextmanager
-def _running_server(config: EngineConfig) -> Iterator[tuple[str, AsyncEngine]]:
+def _running_server(config: EngineConfig) -> contextlib.AbstractContextManager[tuple[str, AsyncEngine]]:
     """An engine and its app on a uvicorn server, in a thread with its own event loop, as in production."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    started: list[tuple[uvicorn.Server, AsyncEngine]] = []
-    failure: list[BaseException] = []
 
-    async def main() -> None:
-        engine = await AsyncEngine.create(config)
-        try:
-            uv = uvicorn.Server(uvicorn.Config(create_engine_app(engine), log_level="warning"))
-            started.append((uv, engine))
-            await uv.serve(sockets=[sock])
-        finally:
-            await engine.shutdown()
+    async def app(engine: AsyncEngine, url: str) -> Litestar:
+        return create_engine_app(engine)
 
-    def run() -> None:
-        try:
-            asyncio.run(main())
-        except BaseException as exc:
-            failure.append(exc)
-
-    # The engine sets torch's (process-wide) thread count; give the rest of the test session its own back.
-    num_threads = torch.get_num_threads()
-    thread = threading.Thread(target=run, name="engine-server", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not (started and started[0][0].started):
-            assert not failure, f"the server failed to start: {failure[0]!r}"
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}", started[0][1]
-    finally:
-        if started:
-            started[0][0].should_exit = True
-        thread.join(15)
-        sock.close()
-        torch.set_num_threads(num_threads)
+    return running_engine_server(config, app)
 
 
 @pytest.fixture(scope="module")

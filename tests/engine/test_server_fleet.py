@@ -9,14 +9,12 @@ against peft), so a request that ran the wrong weights, or none, shows up as oth
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import secrets
 import shutil
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,8 +26,8 @@ import openai
 import pytest
 import redis
 import torch
-import uvicorn
 from _support.adapters import make_peft_adapter
+from _support.engine_server import running_engine_server
 from _support.services import RedisServer
 from click.testing import CliRunner
 from litestar import Litestar
@@ -121,49 +119,15 @@ def _config(model_path: Path) -> EngineConfig:
     )
 
 
-@contextlib.contextmanager
 def _running_server(
     config: EngineConfig, make_app: Callable[[AsyncEngine, str], Litestar]
-) -> Iterator[tuple[str, AsyncEngine]]:
+) -> contextlib.AbstractContextManager[tuple[str, AsyncEngine]]:
     """`make_app(engine, url)` on a uvicorn server (lifespan included), in a thread with its own event loop."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    started: list[tuple[uvicorn.Server, AsyncEngine]] = []
-    failure: list[BaseException] = []
 
-    async def serve() -> None:
-        engine = await AsyncEngine.create(config)
-        try:
-            uv = uvicorn.Server(uvicorn.Config(make_app(engine, url), log_level="warning"))
-            started.append((uv, engine))
-            await uv.serve(sockets=[sock])
-        finally:
-            await engine.shutdown()
+    async def app(engine: AsyncEngine, url: str) -> Litestar:
+        return make_app(engine, url)
 
-    def run() -> None:
-        try:
-            asyncio.run(serve())
-        except BaseException as exc:
-            failure.append(exc)
-
-    num_threads = torch.get_num_threads()
-    thread = threading.Thread(target=run, name="engine-server", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not (started and started[0][0].started):
-            assert not failure, f"the server failed to start: {failure[0]!r}"
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        yield url, started[0][1]
-    finally:
-        if started:
-            started[0][0].should_exit = True
-        thread.join(15)
-        sock.close()
-        torch.set_num_threads(num_threads)
-    assert not failure, f"the server failed: {failure[0]!r}"
+    return running_engine_server(config, app, check_exit=True)
 
 
 def _client(url: str) -> openai.OpenAI:

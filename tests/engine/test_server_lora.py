@@ -9,13 +9,10 @@ against peft in test_lora_correctness), so a request that ran the wrong weights,
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import re
 import shutil
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,9 +23,10 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from _support.adapters import make_peft_adapter
+from _support.engine_server import running_engine_server
 from click.testing import CliRunner
+from litestar import Litestar
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.async_engine import AsyncEngine
@@ -134,47 +132,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     return Setup(base, adapters, expected, root)
 
 
-@contextlib.contextmanager
-def _running_server(config: EngineConfig, lora_modules: Sequence[LoRARequest]) -> Iterator[tuple[str, AsyncEngine]]:
-    """The engine, its start-up adapters and the app on a uvicorn server, in a thread with its own event loop."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    started: list[tuple[uvicorn.Server, AsyncEngine]] = []
-    failure: list[BaseException] = []
+def _running_server(
+    config: EngineConfig, lora_modules: Sequence[LoRARequest]
+) -> contextlib.AbstractContextManager[tuple[str, AsyncEngine]]:
+    async def app(engine: AsyncEngine, url: str) -> Litestar:
+        return create_engine_app(engine, await load_lora_modules(engine, lora_modules))
 
-    async def serve() -> None:
-        engine = await AsyncEngine.create(config)
-        try:
-            app = create_engine_app(engine, await load_lora_modules(engine, lora_modules))
-            uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-            started.append((uv, engine))
-            await uv.serve(sockets=[sock])
-        finally:
-            await engine.shutdown()
-
-    def run() -> None:
-        try:
-            asyncio.run(serve())
-        except BaseException as exc:
-            failure.append(exc)
-
-    num_threads = torch.get_num_threads()
-    thread = threading.Thread(target=run, name="engine-server", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not (started and started[0][0].started):
-            assert not failure, f"the server failed to start: {failure[0]!r}"
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}", started[0][1]
-    finally:
-        if started:
-            started[0][0].should_exit = True
-        thread.join(15)
-        sock.close()
-        torch.set_num_threads(num_threads)
+    return running_engine_server(config, app)
 
 
 @pytest.fixture(scope="module")
