@@ -6,6 +6,8 @@ took before quantization existed (F.linear, torch.addmm), so the unquantized eng
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +20,7 @@ from loraplex.kernels.quant import (
     int8_linear,
     quantize_int4,
     quantize_int8,
+    workspace_elems,
 )
 
 QuantizedWeight = Int8Weight | Int4Weight
@@ -29,13 +32,33 @@ Weight = torch.Tensor | QuantizedWeight
 _INT4_GROUP_SIZES = (GROUP_SIZE, 64, 32)
 
 
+# The CPU paths dequantize tiles into a float32 workspace; one per thread (the engine steps in one thread, tests and
+# benchmarks may drive several engines), grown to the widest matrix seen, kept for the thread's life. A fresh 2 MiB
+# buffer per call costs page faults whenever the allocator returns it to the OS in between (kernels/quant.py).
+_workspaces = threading.local()
+
+
+def _workspace(x: torch.Tensor, in_features: int) -> torch.Tensor | None:
+    if x.is_cuda:
+        return None
+    needed = workspace_elems(in_features)
+    buffer: torch.Tensor | None = getattr(_workspaces, "buffer", None)
+    if buffer is None or buffer.numel() < needed:
+        # A normal tensor even when made during an inference-mode step: such a one may be written in and out of it.
+        with torch.inference_mode(False):
+            buffer = torch.empty(needed, dtype=torch.float32)
+        _workspaces.buffer = buffer
+    return buffer
+
+
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, in] @ weight.T (+ bias [out]) -> [num_tokens, out] in x's dtype."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
+    workspace = _workspace(x, weight.shape[1])
     if isinstance(weight, Int8Weight):
-        return int8_linear(x, weight, bias)
-    return int4_linear(x, weight, bias)
+        return int8_linear(x, weight, bias, workspace=workspace)
+    return int4_linear(x, weight, bias, workspace=workspace)
 
 
 def addmm(residual: torch.Tensor, x: torch.Tensor, weight: Weight) -> torch.Tensor:

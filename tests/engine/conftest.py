@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from _support.checkpoints import make_checkpoint
+from _support.checkpoints import make_checkpoint, make_trained_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +22,20 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
             folder = tmp_path_factory.mktemp(f"{variant}-{str(dtype).removeprefix('torch.')}")
             made[key] = make_checkpoint(folder, variant, dtype=dtype)
         return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """trained_checkpoint(variant) -> folder: the random checkpoint after a short training on a bigram language
+    (_support/checkpoints.py), for tests that need a model whose predictions mean something. Made once."""
+    made: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in made:
+            made[variant] = make_trained_checkpoint(tmp_path_factory.mktemp(f"{variant}-trained"), variant)
+        return made[variant]
 
     return get
 
