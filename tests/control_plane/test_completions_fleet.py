@@ -757,7 +757,8 @@ def test_an_engine_gets_more_concurrent_requests_than_an_http_pool_default(
 def test_a_replica_that_refuses_connections_is_routed_around(
     settings: Settings, engine: EngineProcess, platform: Platform, tenant: Tenant
 ) -> None:
-    """A crashed engine's key outlives it by up to its TTL: one request finds out, the next ones go elsewhere."""
+    """A crashed engine's key outlives it by up to its TTL: the request it refuses goes to the next replica, and
+    later ones skip it."""
     assert settings.redis_url is not None
     (closed_port,) = _free_ports(1)  # nothing listens there
     ghost = StubEngine(f"http://127.0.0.1:{closed_port}")
@@ -767,15 +768,55 @@ def test_a_replica_that_refuses_connections_is_routed_around(
     try:
         assert _wait_for(lambda: set(platform.engines()) == {ENGINE_ID, ghost.id}, timeout_s=3)
         cache_key = f"k-{secrets.token_hex(4)}"  # warm nowhere yet
-        body = {"model": ENDPOINT, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "prompt_cache_key": cache_key}
-        response = platform.post("/v1/chat/completions", tenant.headers, json=body)
-        assert response.status_code == 503, response.text
-        assert _envelope(response)["code"] == "engine_unavailable"
-        for _ in range(3):  # the key is warm on the ghost now, and the ghost is still its best choice otherwise
+        assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == expected  # the ghost refused it first
+        for _ in range(2):  # the key is warm on the ghost now, and the ghost is still its best choice otherwise
             assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == expected
         assert ghost.id in platform.engines()  # still registered (its key lives): only the routing avoids it
+
+        # A streamed request is retried the same way, before its first byte: a second ghost, first choice again.
+        second = StubEngine(f"http://127.0.0.1:{_free_ports(1)[0]}")
+        second_beat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: second.record([tenant.digest]))
+        second_beat.start()
+        try:
+            assert _wait_for(lambda: second.id in platform.engines(), timeout_s=3)
+            chunks = tenant.openai(platform).chat.completions.create(
+                model=ENDPOINT,
+                messages=MESSAGES,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                prompt_cache_key=f"k-{secrets.token_hex(4)}",
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == expected
+        finally:
+            second_beat.close()
     finally:
         heartbeat.close()
+
+
+def test_a_request_no_replica_accepts_is_a_503(
+    settings: Settings, tiny_base_checkpoint: Path, platform: Platform, tenant: Tenant
+) -> None:
+    """Every replica of the base model refuses the connection: after trying each once, 503 engine_unavailable."""
+    assert settings.redis_url is not None
+    name = f"ghost-base-{secrets.token_hex(3)}"
+    response = platform.post("/admin/base-models", ADMIN, json={"name": name, "source": str(tiny_base_checkpoint)})
+    assert response.status_code == 201, response.text
+    ghosts = [StubEngine(f"http://127.0.0.1:{port}", base_model=name) for port in _free_ports(2)]
+    heartbeats = [Heartbeat(settings.redis_url, settings.redis_prefix, lambda g=g: g.record([])) for g in ghosts]
+    for heartbeat in heartbeats:
+        heartbeat.start()
+    try:
+        assert _wait_for(lambda: {g.id for g in ghosts} <= set(platform.engines()), timeout_s=3)
+        for stream in (False, True):
+            body = {"model": name, "messages": MESSAGES, "max_tokens": 2, "stream": stream}
+            response = platform.post("/v1/chat/completions", tenant.headers, json=body)
+            assert response.status_code == 503, response.text
+            assert _envelope(response)["code"] == "engine_unavailable"
+    finally:
+        for heartbeat in heartbeats:
+            heartbeat.close()
 
 
 # --- the router's choices, on real Redis -------------------------------------------------------------------------

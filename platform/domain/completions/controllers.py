@@ -34,6 +34,7 @@ from loraplex.platform.domain.completions.service import (
     record_usage,
     relay,
     resolve,
+    route,
 )
 from loraplex.platform.domain.endpoints.models import Endpoint
 from loraplex.platform.domain.endpoints.repository import EndpointRepository
@@ -68,9 +69,7 @@ async def _start(
     """Everything that can refuse the request, before any byte is sent: model, limits, a replica."""
     target = await resolve(resources, principal, body.model)
     check_adapter(target)
-    digest = target.adapter.digest if target.adapter is not None else None
-    affinity = f"{principal.tenant_id}:{body.prompt_cache_key or ''}"
-    replica = await resources.router.pick(target.base_model.name, digest, affinity)
+    replica = await route(resources, principal, target, body)
     if replica is None:
         raise ApiError(
             503, f"No engine serves '{target.base_model.name}' right now; retry shortly.", code="engine_unavailable"

@@ -26,7 +26,7 @@ from loraplex.platform.domain.base_models.repository import BaseModelRepository
 from loraplex.platform.domain.completions.schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.domain.endpoints.models import Endpoint
 from loraplex.platform.domain.endpoints.repository import EndpointRepository
-from loraplex.platform.domain.fleet.client import EngineRequestError, EngineUnavailable
+from loraplex.platform.domain.fleet.client import EngineRequestError, EngineUnavailable, EngineUnreachable
 from loraplex.platform.domain.fleet.registry import Replica
 from loraplex.platform.domain.tenants.repository import TenantRepository
 from loraplex.platform.domain.usage.recorder import UsageEvent
@@ -35,6 +35,10 @@ from loraplex.platform.ratelimit import Limits
 from loraplex.platform.resources import Resources
 
 logger = logging.getLogger(__name__)
+
+# Replicas a request may be offered to when they refuse the connection (a crashed engine's registry entry lives
+# until its TTL runs out); the request has reached none of them, so trying another is safe.
+MAX_REPLICA_TRIES = 3
 
 Request = ChatCompletionRequest | CompletionRequest
 
@@ -197,14 +201,44 @@ def usage_event(call: Call) -> UsageEvent:
     )
 
 
+async def route(resources: Resources, principal: TenantPrincipal, target: Target, body: Request) -> Replica | None:
+    """The replica the router picks for this request (decision 0012), or None when none serves its base model."""
+    digest = target.adapter.digest if target.adapter is not None else None
+    affinity = f"{principal.tenant_id}:{body.prompt_cache_key or ''}"
+    return await resources.router.pick(target.base_model.name, digest, affinity)
+
+
 async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, Any], None]:
     """The engine's events for this call, rewritten for the client (our id, the client's model name); the tally
-    follows exactly the chunks handed out. Usage chunks pass only when the client asked for them."""
-    client = resources.fleet.client(call.replica)
+    follows exactly the chunks handed out. Usage chunks pass only when the client asked for them.
+
+    A replica that refuses the connection never saw the request: it is marked unreachable (the router then skips
+    it) and the request goes to the router's next choice, up to MAX_REPLICA_TRIES replicas. Once a connection is
+    open the request stays there: a failure after that ends it, since the engine may have started generating."""
     created = int(time.time())
-    events = client.stream(call.path, call.engine_body)
+    tried: set[str] = set()
+    while True:
+        events = resources.fleet.client(call.replica).stream(call.path, call.engine_body)
+        try:
+            first = await anext(events)
+            break
+        except StopAsyncIteration:
+            await events.aclose()  # type: ignore[attr-defined]
+            return
+        except EngineUnreachable:
+            await events.aclose()  # type: ignore[attr-defined]
+            tried.add(call.replica.id)
+            replica = await route(resources, call.principal, call.target, call.body)
+            if replica is None or replica.id in tried or len(tried) >= MAX_REPLICA_TRIES:
+                raise
+            logger.info("%s: engine %s refused the connection; trying %s", call.request_id, call.replica.id, replica.id)
+            call.replica = replica
+        except BaseException:
+            await events.aclose()  # type: ignore[attr-defined]
+            raise
     try:
-        async for event in events:
+        event: dict[str, Any] | None = first
+        while event is not None:
             if "error" in event:
                 # The engine accepted the request, then failed it (an adapter we stored did not load): our fault.
                 # Its message names our storage, so it goes to the log and the client gets its code.
@@ -221,12 +255,13 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
                 if call.body.include_usage and usage:
                     event["usage"] = usage
                     yield event
-                continue
-            finish = choices[0].get("finish_reason")
-            yield event
-            call.tally.take(usage)  # counted once handed out: a client gone before this chunk never got it
-            if finish is not None:
-                call.tally.status = "ok" if finish == "stop" else str(finish)
+            else:
+                finish = choices[0].get("finish_reason")
+                yield event
+                call.tally.take(usage)  # counted once handed out: a client gone before this chunk never got it
+                if finish is not None:
+                    call.tally.status = "ok" if finish == "stop" else str(finish)
+            event = await anext(events, None)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
 

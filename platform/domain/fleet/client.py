@@ -25,6 +25,10 @@ class EngineUnavailable(Exception):
     """The engine could not be reached, or broke off its answer."""
 
 
+class EngineUnreachable(EngineUnavailable):
+    """No connection could be opened to the engine: the request never reached it, so another replica may take it."""
+
+
 class EngineRequestError(Exception):
     """The engine refused the request: its status and OpenAI error body, to pass on to the client."""
 
@@ -94,8 +98,10 @@ class HttpEngineClient:
                 async for event in _events(response.aiter_lines()):
                     yield event
         except httpx.HTTPError as exc:
-            if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) and self._on_unreachable is not None:
-                self._on_unreachable()
+            if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                if self._on_unreachable is not None:
+                    self._on_unreachable()
+                raise EngineUnreachable(f"engine at {self._client.base_url} is unreachable: {exc}") from exc
             raise EngineUnavailable(f"engine at {self._client.base_url} failed: {exc}") from exc
 
     async def close(self) -> None:
