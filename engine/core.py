@@ -48,7 +48,7 @@ class EngineState:
     prefix_cache_queried_tokens: int = 0  # prompt tokens of admitted requests, since start
     prefix_cache_hit_tokens: int = 0  # of those, served from the cache
     weight_bytes: int = 0  # the model's weights as kept (quantized ones with their scales)
-    quantization: str | None = None  # None, "int8" or "int4"
+    quantization: str | None = None  # None, "int8" or "int4" (quantized at load), "gptq" or "awq" (as stored)
 
 
 class EngineCore:
@@ -78,7 +78,7 @@ class EngineCore:
             "loaded %s (%s, weights %s, %.1f M parameters, %.1f MiB) in %.1f s",
             path,
             self.dtype,
-            config.quantization or "unquantized",
+            self.model.quantization_label or "unquantized",
             self.model_config.num_parameters() / 1e6,
             self.weight_bytes / 2**20,
             time.perf_counter() - started,
@@ -316,7 +316,7 @@ class EngineCore:
             prefix_cache_queried_tokens=cache.stats.queried_tokens if cache is not None else 0,
             prefix_cache_hit_tokens=cache.stats.hit_tokens if cache is not None else 0,
             weight_bytes=self.weight_bytes,
-            quantization=self.config.quantization,
+            quantization=self.model.quantization_label,
         )
 
     def reset_prefix_cache(self) -> int:

@@ -42,6 +42,7 @@ class LLM:
 
     `quantization`: None, "int8" (per output channel) or "int4" (group-wise): the decoder layers' projections
     are quantized at load from the 16/32-bit checkpoint; embeddings, lm_head and LoRA adapters stay in `dtype`.
+    A GPTQ or AWQ 4-bit checkpoint is recognized from its config and served as it is (leave `quantization` unset).
     `options` are EngineConfig fields: max_model_len, kv_budget, block_size, max_num_seqs,
     max_num_batched_tokens, seed, device, num_threads, served_model_name.
     """

@@ -9,6 +9,7 @@ from many sequences at once; attention reads each sequence's keys through its bl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +21,12 @@ from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.lora_batch import LoraCompute
 from loraplex.engine.model_config import ModelConfig
 from loraplex.engine.page_pool import KVLayer
+from loraplex.engine.prequantized import PrequantizedFormat, load_int4
 from loraplex.engine.quant_linear import Weight, addmm, linear, nbytes, quantize
 from loraplex.engine.rope import RotaryEmbedding, interleave_rotary_rows
 from loraplex.engine.weights import CheckpointTensors
 from loraplex.kernels.paged_attention import paged_attention
+from loraplex.kernels.quant import Int4Weight
 
 # lm_head in vocabulary slices this tall: the slice of weights stays in cache while every row uses it, which
 # measured about 1.35x faster than one [num_rows, vocab] matmul on a 2-core CPU at vocab 32000.
@@ -42,6 +45,21 @@ class LayerWeights:
 
     def projections(self) -> tuple[Weight, ...]:
         return (self.qkv, self.o, self.gate_up, self.down)
+
+
+def _map_rows(w: Int4Weight, reorder: Callable[[torch.Tensor], torch.Tensor]) -> Int4Weight:
+    """The same output rows of every per-row tensor of an int4 weight, reordered by `reorder`."""
+    return Int4Weight(reorder(w.packed), reorder(w.scales), reorder(w.zeros), w.group_size)
+
+
+def _stack_rows(parts: list[Int4Weight]) -> Int4Weight:
+    """int4 weights of the same width and group size, stacked along the output rows (a fused projection)."""
+    return Int4Weight(
+        torch.cat([w.packed for w in parts]),
+        torch.cat([w.scales for w in parts]),
+        torch.cat([w.zeros for w in parts]),
+        parts[0].group_size,
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,13 +100,27 @@ class LlamaModel:
 
     # --- loading -------------------------------------------------------------------------------------------------
 
+    @property
+    def quantization_label(self) -> str | None:
+        """What the layers' weights are: "int8" / "int4" (quantized at load), "gptq" / "awq" (read as the
+        checkpoint holds them), or None."""
+        if self.config.prequantized is not None:
+            return self.config.prequantized.label
+        return self.quantization
+
     def load(self, tensors: CheckpointTensors) -> None:
         c = self.config
-        prequantized = sorted(n for n in tensors.names if n.endswith((".qweight", ".qzeros", ".g_idx")))
-        if prequantized:
+        if c.prequantized is not None and self.quantization is not None:
             raise CheckpointError(
-                f"the checkpoint holds pre-quantized tensors ('{prequantized[0]}', GPTQ/AWQ), which loraplex does "
-                "not load: give a 16/32-bit checkpoint and quantization='int8' or 'int4' to quantize it at load"
+                f"the checkpoint is already quantized ({c.prequantized.label.upper()}, 4-bit); leave quantization "
+                f"unset to serve it as it is, not {self.quantization!r}"
+            )
+        prequantized = sorted(n for n in tensors.names if n.endswith((".qweight", ".qzeros", ".g_idx")))
+        if prequantized and c.prequantized is None:
+            raise CheckpointError(
+                f"the checkpoint holds pre-quantized tensors ('{prequantized[0]}', GPTQ/AWQ) but config.json has no "
+                "'quantization_config' saying how: give a GPTQ/AWQ checkpoint with its config, or a 16/32-bit "
+                "checkpoint and quantization='int8' or 'int4' to quantize it at load"
             )
         self.embed = self._take(tensors, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.norm = self._take(tensors, "model.norm.weight", (c.hidden_size,))
@@ -104,6 +136,8 @@ class LlamaModel:
     def _load_layer(self, tensors: CheckpointTensors, i: int) -> LayerWeights:
         c = self.config
         p = f"model.layers.{i}."
+        if c.prequantized is not None:
+            return self._load_prequantized_layer(tensors, i, c.prequantized)
         # Quantized projections are read in float32, so the rounding starts from the checkpoint's own values.
         proj_dtype = torch.float32 if self.quantization is not None else self.dtype
 
@@ -115,19 +149,7 @@ class LlamaModel:
         v = proj("self_attn.v_proj.weight", (c.kv_size, c.hidden_size))
         q = interleave_rotary_rows(q, c.num_heads, c.head_dim)
         k = interleave_rotary_rows(k, c.num_kv_heads, c.head_dim)
-        bias = None
-        if c.attention_bias:
-            bias = torch.cat(
-                [
-                    interleave_rotary_rows(
-                        self._take(tensors, p + "self_attn.q_proj.bias", (c.q_size,)), c.num_heads, c.head_dim
-                    ),
-                    interleave_rotary_rows(
-                        self._take(tensors, p + "self_attn.k_proj.bias", (c.kv_size,)), c.num_kv_heads, c.head_dim
-                    ),
-                    self._take(tensors, p + "self_attn.v_proj.bias", (c.kv_size,)),
-                ]
-            )
+        bias = self._qkv_bias(tensors, p)
         gate = proj("mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
         up = proj("mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
         return LayerWeights(
@@ -138,6 +160,53 @@ class LlamaModel:
             post_norm=self._take(tensors, p + "post_attention_layernorm.weight", (c.hidden_size,)),
             gate_up=self._quantized(torch.cat([gate, up])),
             down=self._quantized(proj("mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
+        )
+
+    def _load_prequantized_layer(self, tensors: CheckpointTensors, i: int, fmt: PrequantizedFormat) -> LayerWeights:
+        """A GPTQ/AWQ layer: the projections as Int4Weight (the checkpoint's codes, scales and zeros), q and k rows
+        reordered for the rotary pairs and the fused projections stacked, as the float path does."""
+        c = self.config
+        p = f"model.layers.{i}."
+
+        def proj(name: str, shape: tuple[int, int]) -> Int4Weight:
+            return load_int4(tensors, p + name, fmt, shape)
+
+        def rotary(w: Int4Weight, num_heads: int) -> Int4Weight:
+            return _map_rows(w, lambda rows: interleave_rotary_rows(rows, num_heads, c.head_dim))
+
+        q = rotary(proj("self_attn.q_proj", (c.q_size, c.hidden_size)), c.num_heads)
+        k = rotary(proj("self_attn.k_proj", (c.kv_size, c.hidden_size)), c.num_kv_heads)
+        v = proj("self_attn.v_proj", (c.kv_size, c.hidden_size))
+        return LayerWeights(
+            input_norm=self._take(tensors, p + "input_layernorm.weight", (c.hidden_size,)),
+            qkv=_stack_rows([q, k, v]),
+            qkv_bias=self._qkv_bias(tensors, p),
+            o=proj("self_attn.o_proj", (c.hidden_size, c.q_size)),
+            post_norm=self._take(tensors, p + "post_attention_layernorm.weight", (c.hidden_size,)),
+            gate_up=_stack_rows(
+                [
+                    proj("mlp.gate_proj", (c.intermediate_size, c.hidden_size)),
+                    proj("mlp.up_proj", (c.intermediate_size, c.hidden_size)),
+                ]
+            ),
+            down=proj("mlp.down_proj", (c.hidden_size, c.intermediate_size)),
+        )
+
+    def _qkv_bias(self, tensors: CheckpointTensors, p: str) -> torch.Tensor | None:
+        """Qwen2's q, k, v biases stacked (q and k rows in rotary-pair order), or None."""
+        c = self.config
+        if not c.attention_bias:
+            return None
+        return torch.cat(
+            [
+                interleave_rotary_rows(
+                    self._take(tensors, p + "self_attn.q_proj.bias", (c.q_size,)), c.num_heads, c.head_dim
+                ),
+                interleave_rotary_rows(
+                    self._take(tensors, p + "self_attn.k_proj.bias", (c.kv_size,)), c.num_kv_heads, c.head_dim
+                ),
+                self._take(tensors, p + "self_attn.v_proj.bias", (c.kv_size,)),
+            ]
         )
 
     def _quantized(self, weight: torch.Tensor) -> Weight:
@@ -151,14 +220,7 @@ class LlamaModel:
     def _take(
         self, tensors: CheckpointTensors, name: str, shape: tuple[int, ...], *, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        if name not in tensors.names:
-            raise CheckpointError(f"the checkpoint has no tensor '{name}'")
-        tensor = tensors.get(name)
-        if tuple(tensor.shape) != shape:
-            raise CheckpointError(
-                f"tensor '{name}' in {tensors.file_of(name)} has shape {tuple(tensor.shape)}, "
-                f"but config.json implies {shape}"
-            )
+        tensor = tensors.get_shaped(name, shape)
         if not tensor.is_floating_point():
             raise CheckpointError(
                 f"tensor '{name}' in {tensors.file_of(name)} has dtype {tensor.dtype}: loraplex loads 16/32-bit "

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from loraplex.engine.errors import CheckpointError
+from loraplex.engine.prequantized import PrequantizedFormat, read_prequantized_format
 
 # The Llama family: same block structure (RMSNorm, RoPE, GQA attention, SwiGLU MLP); Qwen2 adds q/k/v biases.
 SUPPORTED_ARCHITECTURES = {
@@ -56,6 +57,8 @@ class ModelConfig:
     torch_dtype: torch.dtype
     bos_token_id: int | None
     eos_token_ids: frozenset[int]
+    # GPTQ / AWQ 4-bit layers (engine/prequantized.py); None for a 16/32-bit checkpoint.
+    prequantized: PrequantizedFormat | None = None
 
     @property
     def q_size(self) -> int:
@@ -76,10 +79,12 @@ class ModelConfig:
             raise CheckpointError(f"config.json in {path} is not valid JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise CheckpointError("config.json must hold a JSON object")
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, path)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any], path: Path | None = None) -> ModelConfig:
+        """The config from config.json's fields; `path` (the model folder) is where an older GPTQ checkpoint keeps
+        its quantize_config.json."""
         architectures = raw.get("architectures") or []
         known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
         if not known:
@@ -136,6 +141,7 @@ class ModelConfig:
             torch_dtype=DTYPES[dtype_name],
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
+            prequantized=read_prequantized_format(path, raw),
         )
 
     def num_parameters(self) -> int:

@@ -37,6 +37,18 @@ class CheckpointTensors:
             tensor: torch.Tensor = handle.get_tensor(name)
         return tensor
 
+    def get_shaped(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """`name`, which must exist and have `shape` (what config.json implies); else a CheckpointError."""
+        if name not in self._files:
+            raise CheckpointError(f"the checkpoint has no tensor '{name}'")
+        tensor = self.get(name)
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(
+                f"tensor '{name}' in {self.file_of(name)} has shape {tuple(tensor.shape)}, "
+                f"but config.json implies {shape}"
+            )
+        return tensor
+
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         by_file: dict[Path, list[str]] = {}
         for name, file in self._files.items():

@@ -172,7 +172,8 @@ def engine() -> None:
     type=click.Choice(["int8", "int4"]),
     default=None,
     help="Quantize the decoder layers' weights at load (weight-only, round to nearest): int8 per output channel, "
-    "int4 in groups of 128 with zero points. Embeddings, lm_head and LoRA adapters stay in --dtype.",
+    "int4 in groups of 128 with zero points. Embeddings, lm_head and LoRA adapters stay in --dtype. GPTQ and AWQ "
+    "4-bit checkpoints are recognized from their config and served as they are: leave this unset for them.",
 )
 @click.option(
     "--max-model-len", type=click.IntRange(min=1), default=None, help="Context length cap (default: the model's)."
