@@ -21,7 +21,7 @@ from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.lora_batch import LoraCompute
 from loraplex.engine.model_config import ModelConfig
 from loraplex.engine.page_pool import KVLayer
-from loraplex.engine.prequantized import PrequantizedFormat, load_int4
+from loraplex.engine.prequantized import LoadedInt4, PrequantizedFormat, load_int4
 from loraplex.engine.quant_linear import Weight, addmm, linear, nbytes, quantize
 from loraplex.engine.rope import RotaryEmbedding, interleave_rotary_rows
 from loraplex.engine.weights import CheckpointTensors
@@ -42,6 +42,12 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: Weight  # [2 * intermediate, hidden]: gate and up projections stacked
     down: Weight  # [hidden, intermediate]
+    # GPTQ act-order checkpoints (engine/prequantized.py): each projection's input features in the order its
+    # weight's columns are stored; None for every other weight.
+    qkv_input_order: torch.Tensor | None = None
+    o_input_order: torch.Tensor | None = None
+    gate_up_input_order: torch.Tensor | None = None
+    down_input_order: torch.Tensor | None = None
 
     def projections(self) -> tuple[Weight, ...]:
         return (self.qkv, self.o, self.gate_up, self.down)
@@ -60,6 +66,27 @@ def _stack_rows(parts: list[Int4Weight]) -> Int4Weight:
         torch.cat([w.zeros for w in parts]),
         parts[0].group_size,
     )
+
+
+def _ordered(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """x's features in a projection's stored column order (GPTQ act-order), else x itself."""
+    return x if order is None else x.index_select(1, order)
+
+
+def _same_order(prefix: str, names: str, parts: list[LoadedInt4]) -> torch.Tensor | None:
+    """The one input order of projections the model fuses; a CheckpointError if they were stored in different ones."""
+    first = parts[0].input_order
+    for part in parts[1:]:
+        other = part.input_order
+        same = (first is None and other is None) or (
+            first is not None and other is not None and torch.equal(first, other)
+        )
+        if not same:
+            raise CheckpointError(
+                f"'{prefix}': the {names} projections were quantized with different act-order (g_idx) orders; "
+                "loraplex computes them as one matrix and needs one order"
+            )
+    return first
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,28 +195,36 @@ class LlamaModel:
         c = self.config
         p = f"model.layers.{i}."
 
-        def proj(name: str, shape: tuple[int, int]) -> Int4Weight:
+        def proj(name: str, shape: tuple[int, int]) -> LoadedInt4:
             return load_int4(tensors, p + name, fmt, shape)
 
-        def rotary(w: Int4Weight, num_heads: int) -> Int4Weight:
-            return _map_rows(w, lambda rows: interleave_rotary_rows(rows, num_heads, c.head_dim))
+        def rotary(loaded: LoadedInt4, num_heads: int) -> LoadedInt4:
+            w = _map_rows(loaded.weight, lambda rows: interleave_rotary_rows(rows, num_heads, c.head_dim))
+            return LoadedInt4(w, loaded.input_order)
 
-        q = rotary(proj("self_attn.q_proj", (c.q_size, c.hidden_size)), c.num_heads)
-        k = rotary(proj("self_attn.k_proj", (c.kv_size, c.hidden_size)), c.num_kv_heads)
-        v = proj("self_attn.v_proj", (c.kv_size, c.hidden_size))
+        qkv = [
+            rotary(proj("self_attn.q_proj", (c.q_size, c.hidden_size)), c.num_heads),
+            rotary(proj("self_attn.k_proj", (c.kv_size, c.hidden_size)), c.num_kv_heads),
+            proj("self_attn.v_proj", (c.kv_size, c.hidden_size)),
+        ]
+        o = proj("self_attn.o_proj", (c.hidden_size, c.q_size))
+        gate_up = [
+            proj("mlp.gate_proj", (c.intermediate_size, c.hidden_size)),
+            proj("mlp.up_proj", (c.intermediate_size, c.hidden_size)),
+        ]
+        down = proj("mlp.down_proj", (c.hidden_size, c.intermediate_size))
         return LayerWeights(
             input_norm=self._take(tensors, p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=_stack_rows([q, k, v]),
+            qkv=_stack_rows([part.weight for part in qkv]),
             qkv_bias=self._qkv_bias(tensors, p),
-            o=proj("self_attn.o_proj", (c.hidden_size, c.q_size)),
+            o=o.weight,
             post_norm=self._take(tensors, p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=_stack_rows(
-                [
-                    proj("mlp.gate_proj", (c.intermediate_size, c.hidden_size)),
-                    proj("mlp.up_proj", (c.intermediate_size, c.hidden_size)),
-                ]
-            ),
-            down=proj("mlp.down_proj", (c.hidden_size, c.intermediate_size)),
+            gate_up=_stack_rows([part.weight for part in gate_up]),
+            down=down.weight,
+            qkv_input_order=_same_order(p + "self_attn", "q, k and v", qkv),
+            o_input_order=o.input_order,
+            gate_up_input_order=_same_order(p + "mlp", "gate and up", gate_up),
+            down_input_order=down.input_order,
         )
 
     def _qkv_bias(self, tensors: CheckpointTensors, p: str) -> torch.Tensor | None:
@@ -256,7 +291,7 @@ class LlamaModel:
         adapters = lora if lora is not None and batch.lora else None
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(_ordered(x, layer.qkv_input_order), layer.qkv, layer.qkv_bias)
             if adapters is not None:
                 adapters.add(batch.lora, index, "qkv", x, qkv)
             q, k, v = torch.split(qkv, [c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -277,17 +312,17 @@ class LlamaModel:
                 max_seq_len=batch.max_seq_len,
             )
             attn = attn.view(-1, c.q_size)
-            hidden = addmm(hidden, attn, layer.o)
+            hidden = addmm(hidden, _ordered(attn, layer.o_input_order), layer.o)
             if adapters is not None:
                 adapters.add(batch.lora, index, "o", attn, hidden)
 
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            gate_up = linear(x, layer.gate_up)
+            gate_up = linear(_ordered(x, layer.gate_up_input_order), layer.gate_up)
             if adapters is not None:
                 adapters.add(batch.lora, index, "gate_up", x, gate_up)
             act = F.silu(gate_up[:, : c.intermediate_size])
             act.mul_(gate_up[:, c.intermediate_size :])  # in place: a fresh large tensor costs page faults
-            hidden = addmm(hidden, act, layer.down)
+            hidden = addmm(hidden, _ordered(act, layer.down_input_order), layer.down)
             if adapters is not None:
                 adapters.add(batch.lora, index, "down", act, hidden)
         return rms_norm(hidden, self.norm, c.rms_norm_eps)

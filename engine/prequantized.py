@@ -14,8 +14,10 @@ What a checkpoint says (config.json's `quantization_config`, or AutoGPTQ's older
 
 which is exactly Int4Weight's arithmetic (kernels/quant_formats.py) once the codes are transposed to [out, in] and
 repacked two per byte: the values served are the checkpoint's, bit for bit, and the same kernels run them.
+GPTQ act-order (desc_act) checkpoints, whose g_idx scatters a group's features over the row, are read with their
+input features sorted by group: the layer then multiplies x[:, order] with the sorted weight, as exllama does.
 Refused with a message naming the field: other bit widths, AWQ other than the GEMM layout or without zero points,
-GPTQ with act-order (a g_idx that is not k // group_size), and group sizes that do not divide a projection's width.
+a g_idx that does not give every group group_size features, and group sizes that do not divide a projection's width.
 """
 
 from __future__ import annotations
@@ -96,8 +98,17 @@ def read_prequantized_format(path: Path | None, raw_config: dict[str, Any]) -> P
     return PrequantizedFormat("gptq", group_size, zero_offset=1 if checkpoint_format == "gptq" else 0)
 
 
-def load_int4(tensors: CheckpointTensors, prefix: str, fmt: PrequantizedFormat, shape: tuple[int, int]) -> Int4Weight:
-    """The projection `prefix` (e.g. "model.layers.0.mlp.down_proj") of expected [out, in] `shape` as an Int4Weight."""
+@dataclass(frozen=True)
+class LoadedInt4:
+    weight: Int4Weight
+    # GPTQ act-order: the input features in group order; the layer computes x[:, input_order] @ weight^T. None when
+    # the groups are already contiguous.
+    input_order: torch.Tensor | None
+
+
+def load_int4(tensors: CheckpointTensors, prefix: str, fmt: PrequantizedFormat, shape: tuple[int, int]) -> LoadedInt4:
+    """The projection `prefix` (e.g. "model.layers.0.mlp.down_proj") of expected [out, in] `shape` as an Int4Weight,
+    with the input order an act-order GPTQ projection needs."""
     out_features, in_features = shape
     group_size = in_features if fmt.group_size == -1 else fmt.group_size
     if in_features % group_size or group_size % 2:
@@ -112,8 +123,11 @@ def load_int4(tensors: CheckpointTensors, prefix: str, fmt: PrequantizedFormat, 
         codes = _unpack_rows(qweight).reshape(in_features, out_features)  # [in, out]
         qzeros = _int32(tensors, f"{prefix}.qzeros", (groups, out_features // 8))
         zeros = _unpack_columns(qzeros, nibble_order=None)  # [G, out]
-        _check_g_idx(tensors, prefix, in_features, group_size)
+        input_order = _act_order(tensors, prefix, in_features, group_size)
+        if input_order is not None:
+            codes = codes.index_select(0, input_order)  # the features of group 0 first, then group 1, ...
     else:
+        input_order = None
         qweight = _int32(tensors, f"{prefix}.qweight", (in_features, out_features // 8))
         codes = _unpack_columns(qweight, nibble_order=AWQ_NIBBLE)  # [in, out]
         qzeros = _int32(tensors, f"{prefix}.qzeros", (groups, out_features // 8))
@@ -121,12 +135,13 @@ def load_int4(tensors: CheckpointTensors, prefix: str, fmt: PrequantizedFormat, 
     scales = _float(tensors, f"{prefix}.scales", (groups, out_features))
     q = codes.t().to(torch.uint8)  # [out, in], values 0..15
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-    return Int4Weight(
+    weight = Int4Weight(
         packed=packed,
         scales=scales.t().contiguous(),
         zeros=(zeros + fmt.zero_offset).t().to(torch.float32).contiguous(),
         group_size=group_size,
     )
+    return LoadedInt4(weight, input_order)
 
 
 def _unpack_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -142,17 +157,20 @@ def _unpack_columns(packed: torch.Tensor, *, nibble_order: tuple[int, ...] | Non
     return nibbles.reshape(packed.shape[0], -1)
 
 
-def _check_g_idx(tensors: CheckpointTensors, prefix: str, in_features: int, group_size: int) -> None:
+def _act_order(tensors: CheckpointTensors, prefix: str, in_features: int, group_size: int) -> torch.Tensor | None:
+    """None when g_idx is absent or k // group_size; for act-order (desc_act) checkpoints, whose g_idx assigns each
+    group's features anywhere in the row, the input features sorted by group (stable), as int64."""
     name = f"{prefix}.g_idx"
     if name not in tensors.names:
-        return
-    g_idx = tensors.get(name)
-    expected = torch.arange(in_features, dtype=torch.int64) // group_size
-    if g_idx.shape != (in_features,) or not torch.equal(g_idx.to(torch.int64), expected):
-        raise CheckpointError(
-            f"'{name}' orders groups by activation (GPTQ desc_act / act-order), which loraplex does not load; "
-            "use a checkpoint quantized with desc_act false"
-        )
+        return None
+    g_idx = tensors.get_shaped(name, (in_features,)).to(torch.int64)
+    num_groups = in_features // group_size
+    if torch.equal(g_idx, torch.arange(in_features) // group_size):
+        return None
+    in_range = bool(((g_idx >= 0) & (g_idx < num_groups)).all())
+    if not in_range or not bool((torch.bincount(g_idx, minlength=num_groups) == group_size).all()):
+        raise CheckpointError(f"'{name}' must give each of the {num_groups} groups exactly {group_size} input features")
+    return torch.argsort(g_idx, stable=True)
 
 
 def _int32(tensors: CheckpointTensors, name: str, shape: tuple[int, int]) -> torch.Tensor:

@@ -4,7 +4,7 @@ The tests write such checkpoints themselves from a random test checkpoint: round
 packed the way each format's own packers do (GPTQ along the input features, AWQ along the outputs in its
 0, 2, 4, 6, 1, 3, 5, 7 word order, GPTQ's original format storing zero - 1). The engine's logits over the packed
 checkpoint must match the engine's over a float checkpoint that holds the same values dequantized here, with
-no loraplex code, so a wrong unpacking order, transposition, zero offset or row order shows.
+no loraplex code, so a wrong unpacking order, transposition, zero offset, row order or act-order shows.
 """
 
 from __future__ import annotations
@@ -32,16 +32,27 @@ def _signed32(values: torch.Tensor) -> torch.Tensor:
     return (((values + 2**31) % 2**32) - 2**31).to(torch.int32)
 
 
-def _rtn(weight: torch.Tensor, group_size: int, min_zero: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit codes [in, out], scales [G, out], zeros [G, out] (ints) of a [out, in] float weight; zero
-    points from `min_zero` up (GPTQ's original format stores zero - 1 in 4 bits, so it cannot hold 0)."""
+def _rtn(
+    weight: torch.Tensor, g_idx: torch.Tensor, group_size: int, min_zero: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes [in, out], scales [G, out] (half), zeros [G, out] (ints) of a [out, in] float weight
+    whose input feature k belongs to group g_idx[k]; zero points from `min_zero` up (GPTQ's original format stores
+    zero - 1 in 4 bits, so it cannot hold 0)."""
     out_features, in_features = weight.shape
-    w = weight.t().reshape(in_features // group_size, group_size, out_features)  # [G, group, out]
-    low, high = w.amin(1).clamp(max=0), w.amax(1).clamp(min=0)
-    scales = ((high - low) / 15).clamp(min=1e-8)
-    zeros = torch.round(-low / scales).clamp(min_zero, 15)
-    codes = (torch.round(w / scales[:, None]) + zeros[:, None]).clamp(0, 15)
-    return codes.reshape(in_features, out_features).long(), scales.half(), zeros.long()
+    w = weight.t()  # [in, out]
+    by_group = w[torch.argsort(g_idx, stable=True)].reshape(in_features // group_size, group_size, out_features)
+    low, high = by_group.amin(1).clamp(max=0), by_group.amax(1).clamp(min=0)
+    scales = ((high - low) / 15).clamp(min=1e-8).half()
+    zeros = torch.round(-low / scales.float()).clamp(min_zero, 15)
+    codes = (torch.round(w / scales.float()[g_idx]) + zeros[g_idx]).clamp(0, 15)
+    return codes.long(), scales, zeros.long()
+
+
+def _input_of(name: str) -> str:
+    """The input a projection reads: q, k and v read the attention's, gate and up the MLP's, o and down their own."""
+    block, module = name.rsplit(".", 2)[0], name.split(".")[-2]
+    shared = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+    return f"{block}.{shared.get(module, module)}"
 
 
 def _pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, zero_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,10 +76,19 @@ def _pack_awq(values: torch.Tensor) -> torch.Tensor:
 
 
 def _write_prequantized(
-    source: Path, target: Path, method: str, group_size: int, *, checkpoint_format: str = "gptq"
+    source: Path,
+    target: Path,
+    method: str,
+    group_size: int,
+    *,
+    checkpoint_format: str = "gptq",
+    act_order: bool = False,
 ) -> Path:
     """`target`: source's checkpoint with its layers' projections in `method`'s 4-bit format; `target`/dequantized:
-    the same values as a float32 checkpoint."""
+    the same values as a float32 checkpoint. `act_order`: GPTQ's desc_act, each group drawn from a random order of
+    the input features, one order per input (q, k and v share theirs, as do gate and up: GPTQ orders by the
+    input's Hessian)."""
+    orders: dict[str, torch.Tensor] = {}
     dequantized = target / "dequantized"
     dequantized.mkdir(parents=True)
     tensors = load_file(source / "model.safetensors")
@@ -78,8 +98,13 @@ def _write_prequantized(
         prefix = name.removesuffix(".weight")
         size = weight.shape[1] if group_size == -1 else group_size
         offset = 1 if method == "gptq" and checkpoint_format == "gptq" else 0
-        codes, scales, zeros = _rtn(weight.float(), size, min_zero=offset)
         groups = torch.arange(weight.shape[1]) // size
+        if act_order:
+            seed = torch.Generator().manual_seed(len(orders))
+            order = orders.setdefault(_input_of(name), torch.randperm(weight.shape[1], generator=seed))
+            groups = torch.empty_like(groups)
+            groups[order] = torch.arange(weight.shape[1]) // size  # feature order[j] is in group j // size
+        codes, scales, zeros = _rtn(weight.float(), groups, size, min_zero=offset)
         float_tensors[name] = ((codes - zeros[groups]) * scales.float()[groups]).t().contiguous()
         if method == "gptq":
             tensors[f"{prefix}.qweight"], tensors[f"{prefix}.qzeros"] = _pack_gptq(codes, zeros, offset)
@@ -98,7 +123,7 @@ def _write_prequantized(
             "quant_method": "gptq",
             "bits": 4,
             "group_size": group_size,
-            "desc_act": False,
+            "desc_act": act_order,
             "sym": False,
             "checkpoint_format": checkpoint_format,
         }
@@ -162,13 +187,33 @@ def test_a_prequantized_checkpoint_serves_the_values_it_holds(
     assert packed.engine.model.projection_bytes() < 0.4 * reference.engine.model.projection_bytes()
 
 
-def test_an_act_order_checkpoint_is_refused(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
-    path = _write_prequantized(checkpoint("llama-gqa"), tmp_path, "gptq", 32)
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias"])
+def test_an_act_order_gptq_checkpoint_serves_the_values_it_holds(
+    variant: str, checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = _write_prequantized(checkpoint(variant), tmp_path, "gptq", 32, act_order=True)
+    packed, reference = _llm(path), _llm(path / "dequantized")
+    layer = packed.engine.model.layers[0]
+    assert layer.qkv_input_order is not None and layer.down_input_order is not None
+    for step, (a, b) in enumerate(zip(_logprobs(packed, PROMPT), _logprobs(reference, PROMPT), strict=True)):
+        assert a.keys() == b.keys(), f"step {step}: top tokens differ"
+        assert all(abs(a[t] - b[t]) < 1e-4 for t in a), (step, a, b)
+
+
+def test_act_orders_the_engine_cannot_fuse_or_group_are_refused(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = _write_prequantized(checkpoint("llama-gqa"), tmp_path, "gptq", 32, act_order=True)
     tensors = load_file(path / "model.safetensors")
-    name = "model.layers.1.mlp.down_proj.g_idx"
-    tensors[name] = tensors[name].flip(0).contiguous()
+    name = "model.layers.1.self_attn.k_proj.g_idx"
+    original = tensors[name].clone()
+    tensors[name] = tensors[name].flip(0).contiguous()  # a valid act-order, but not q's and v's
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=rf"'{name}'.*act-order.*desc_act false"):
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.self_attn'.*q, k and v.*different act-order"):
+        _llm(path)
+    tensors[name] = torch.where(original == 0, 1, original).contiguous()  # group 0 empty, group 1 twice as large
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"'{name}' must give each of the 2 groups exactly 32"):
         _llm(path)
 
 
