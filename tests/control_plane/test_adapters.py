@@ -529,6 +529,48 @@ class TestReadyAdapterRef:
         assert digest == good.digest
 
 
+class TestBaseModelRegistration:
+    """What registration checks in a checkpoint's config.json: a GPTQ/AWQ one is served as it is."""
+
+    @staticmethod
+    def _gptq_folder(base: Path, folder: Path, **spec: Any) -> Path:
+        folder.mkdir()
+        config = json.loads((base / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, **spec}
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder
+
+    async def _names(self, api: Client) -> set[str]:
+        response = await api.get("/admin/base-models", headers=ADMIN)
+        assert response.status_code == 200, response.text
+        return {m["name"] for m in response.json()["data"]}
+
+    async def test_a_gptq_checkpoint_registers_without_quantization_only(
+        self, api: Client, tiny_base_checkpoint: Path, tmp_path: Path
+    ) -> None:
+        source = str(self._gptq_folder(tiny_base_checkpoint, tmp_path / "gptq"))
+        name = f"gptq-{secrets.token_hex(3)}"
+        refused = await api.post(
+            "/admin/base-models", json={"name": name, "source": source, "quantization": "int8"}, headers=ADMIN
+        )
+        assert refused.status_code == 400, refused.text
+        assert "already quantized (GPTQ, 4-bit)" in refused.json()["detail"]
+        assert name not in await self._names(api)
+        created = await api.post("/admin/base-models", json={"name": name, "source": source}, headers=ADMIN)
+        assert created.status_code == 201, created.text
+        assert created.json()["quantization"] is None
+
+    async def test_an_unsupported_gptq_checkpoint_is_refused(
+        self, api: Client, tiny_base_checkpoint: Path, tmp_path: Path
+    ) -> None:
+        source = str(self._gptq_folder(tiny_base_checkpoint, tmp_path / "gptq8", bits=8))
+        name = f"gptq8-{secrets.token_hex(3)}"
+        refused = await api.post("/admin/base-models", json={"name": name, "source": source}, headers=ADMIN)
+        assert refused.status_code == 400, refused.text
+        assert "bits is 8" in refused.json()["detail"]
+        assert name not in await self._names(api)
+
+
 @dataclass
 class _StoreOnly:
     objects: LocalObjectStore

@@ -67,9 +67,15 @@ class BaseModelService:
         if await self._models.get_by_name(name) is not None:
             raise conflict(f"A base model named '{name}' already exists.", param="name")
         try:
-            await self._configs.of(source)
+            config = await self._configs.of(source)
         except CheckpointError as exc:
             raise invalid_request(f"The base model at {source} cannot be served: {exc}", param="source") from None
+        if config.prequantized is not None and quantization is not None:
+            raise invalid_request(
+                f"The base model at {source} is already quantized ({config.prequantized.label.upper()}, 4-bit) and is "
+                f"served as it is: register it without quantization, not '{quantization}'.",
+                param="quantization",
+            )
         try:
             async with self._session.begin_nested():
                 return await self._models.add(BaseModel(name=name, source=source, quantization=quantization))
