@@ -296,6 +296,7 @@ class AdapterManager:
         entry.state = AdapterState.LOADED if entry.host is not None else AdapterState.ABSENT
         self.version += 1
         logger.info("adapter %s evicted from the pool", entry.ref)
+        self._drop_if_absent(entry)
         self._trim_host()
 
     # --- use by requests -----------------------------------------------------------------------------------------
@@ -329,7 +330,7 @@ class AdapterManager:
             self.pool.unmark_evictable(("adapter", digest))
             self._evict(entry)
         self._forget_host(entry)
-        del self.entries[digest]
+        self.entries.pop(digest, None)
         return True
 
     # --- the host tier -------------------------------------------------------------------------------------------
@@ -358,6 +359,20 @@ class AdapterManager:
         entry.host = None
         if entry.state is AdapterState.LOADED:
             entry.state = AdapterState.ABSENT
+            self._drop_if_absent(entry)
+
+    def request_finished(self, entry: AdapterEntry) -> None:
+        """A request that named this adapter has finished (or failed, or was aborted)."""
+        entry.num_requests -= 1
+        self._drop_if_absent(entry)
+
+    def _drop_if_absent(self, entry: AdapterEntry) -> None:
+        """An adapter in neither tier that no request names is only a name: forget it (the next request makes a new
+        entry and loads it), so that the table, which every step's poll walks, does not grow with every adapter
+        an engine has ever served."""
+        idle = entry.num_requests == 0 and entry.num_running == 0
+        if entry.state is AdapterState.ABSENT and idle and self.entries.get(entry.ref.digest) is entry:
+            del self.entries[entry.ref.digest]
 
     def forget(self, entry: AdapterEntry) -> None:
         """Drop a failed entry so that the next request for it loads it again."""

@@ -298,7 +298,7 @@ class EngineCore:
 
     def _finalize(self, request: Request) -> RequestOutput:
         if request.adapter is not None:
-            request.adapter.num_requests -= 1
+            self.adapters.request_finished(request.adapter)
         output = self.outputs.make_output(request)
         self.outputs.remove(request.request_id)
         del self.requests[request.request_id]

@@ -236,3 +236,18 @@ def test_host_tier_stays_within_its_budget(base: Path, adapters: dict[str, Path]
     largest = max(e.host_bytes for e in held) if held else 0
     assert core.adapters._host_bytes <= max(200_000, largest)
     assert len(core.adapters.resident()) <= 2
+
+
+def test_adapters_in_neither_tier_are_forgotten(base: Path, adapters: dict[str, Path]) -> None:
+    """Every adapter an engine ever served must not stay in its table (each step walks it): one in neither tier that
+    no request names is dropped, and a later request loads it again and gets the same answer."""
+    core = _core(base, max_loras=1, max_adapters_per_batch=1, lora_host_budget=1)
+    refs = {name: core.resolve_lora(LoRARequest(name, path)) for name, path in adapters.items()}
+    answers: dict[str, list[list[int]]] = {name: [] for name in refs}
+    for round_ in range(2):
+        for name, ref in refs.items():
+            core.add_request(f"{name}-{round_}", [1, 2, 3], GREEDY, lora=ref)
+            answers[name].append(_drain(core)[f"{name}-{round_}"].outputs[0].token_ids)
+            # One slot and no host budget: only the resident adapter is still known.
+            assert len(core.adapters.entries) <= 1, sorted(e.ref.name for e in core.adapters.entries.values())
+    assert all(first == again for first, again in answers.values()), answers
