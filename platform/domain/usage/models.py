@@ -13,7 +13,10 @@ from loraplex.platform.db.base import Base
 
 class UsageRecord(Base):
     __tablename__ = "usage"
-    __table_args__ = (Index("ix_usage_tenant_started", "tenant_id", "started_at"),)
+    __table_args__ = (
+        Index("ix_usage_tenant_started", "tenant_id", "started_at"),  # a tenant's usage over a range (/v1/usage)
+        Index("ix_usage_started_at", "started_at"),  # every tenant's over a range (admin billing reports)
+    )
 
     request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
