@@ -143,6 +143,11 @@ class LlamaModel:
                 f"unset to serve it as it is, not {self.quantization!r}"
             )
         prequantized = sorted(n for n in tensors.names if n.endswith((".qweight", ".qzeros", ".g_idx")))
+        if c.prequantized is not None and "lm_head.qweight" in tensors.names:
+            raise CheckpointError(
+                "the checkpoint's lm_head is quantized ('lm_head.qweight'); loraplex loads "
+                f"{c.prequantized.label.upper()} checkpoints whose lm_head is 16/32-bit (quantized with lm_head false)"
+            )
         if prequantized and c.prequantized is None:
             raise CheckpointError(
                 f"the checkpoint holds pre-quantized tensors ('{prequantized[0]}', GPTQ/AWQ) but config.json has no "

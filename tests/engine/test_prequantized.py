@@ -251,6 +251,15 @@ def test_quantize_config_json_of_older_gptq_checkpoints_is_read(
     assert _logprobs(_llm(path), PROMPT) and _llm(path).engine.state().quantization == "gptq"
 
 
+def test_a_quantized_lm_head_is_refused(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    path = _write_prequantized(checkpoint("llama-gqa"), tmp_path, "gptq", 32)
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.qweight"] = torch.zeros(8, VOCAB, dtype=torch.int32)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"lm_head is quantized \('lm_head.qweight'\)"):
+        _llm(path)
+
+
 def test_requantizing_a_prequantized_checkpoint_is_refused(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     path = _write_prequantized(checkpoint("llama-gqa"), tmp_path, "awq", 32)
     with pytest.raises(CheckpointError, match=r"already quantized \(AWQ, 4-bit\).*leave quantization unset"):
