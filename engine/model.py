@@ -132,25 +132,25 @@ class LlamaModel:
         """What the layers' weights are: "int8" / "int4" (quantized at load), "gptq" / "awq" (read as the
         checkpoint holds them), or None."""
         if self.config.prequantized is not None:
-            return self.config.prequantized.label
+            return self.config.prequantized.method
         return self.quantization
 
     def load(self, tensors: CheckpointTensors) -> None:
         c = self.config
         if c.prequantized is not None and self.quantization is not None:
             raise CheckpointError(
-                f"the checkpoint is already quantized ({c.prequantized.label.upper()}, 4-bit); leave quantization "
+                f"the checkpoint is already quantized ({c.prequantized.method.upper()}, 4-bit); leave quantization "
                 f"unset to serve it as it is, not {self.quantization!r}"
             )
-        prequantized = sorted(n for n in tensors.names if n.endswith((".qweight", ".qzeros", ".g_idx")))
         if c.prequantized is not None and "lm_head.qweight" in tensors.names:
             raise CheckpointError(
                 "the checkpoint's lm_head is quantized ('lm_head.qweight'); loraplex loads "
-                f"{c.prequantized.label.upper()} checkpoints whose lm_head is 16/32-bit (quantized with lm_head false)"
+                f"{c.prequantized.method.upper()} checkpoints whose lm_head is 16/32-bit (quantized with lm_head false)"
             )
-        if prequantized and c.prequantized is None:
+        packed = sorted(n for n in tensors.names if n.endswith((".qweight", ".qzeros", ".g_idx")))
+        if packed and c.prequantized is None:
             raise CheckpointError(
-                f"the checkpoint holds pre-quantized tensors ('{prequantized[0]}', GPTQ/AWQ) but config.json has no "
+                f"the checkpoint holds pre-quantized tensors ('{packed[0]}', GPTQ/AWQ) but config.json has no "
                 "'quantization_config' saying how: give a GPTQ/AWQ checkpoint with its config, or a 16/32-bit "
                 "checkpoint and quantization='int8' or 'int4' to quantize it at load"
             )

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from loraplex.engine.errors import CheckpointError
-from loraplex.kernels.quant import Int4Weight
+from loraplex.kernels.quant import Int4Weight, pack_int4
 
 if TYPE_CHECKING:
     from loraplex.engine.weights import CheckpointTensors
@@ -48,11 +48,6 @@ class PrequantizedFormat:
     method: PrequantizedMethod
     group_size: int  # input features per scale and zero point; -1 = the whole row (GPTQ)
     zero_offset: int  # added to every stored zero point: 1 in GPTQ's original format, else 0
-
-    @property
-    def label(self) -> str:
-        """The name the engine reports for these weights: "gptq" or "awq"."""
-        return self.method
 
 
 def read_prequantized_format(path: Path | None, raw_config: dict[str, Any]) -> PrequantizedFormat | None:
@@ -118,25 +113,21 @@ def load_int4(tensors: CheckpointTensors, prefix: str, fmt: PrequantizedFormat, 
     if out_features % 8 or (fmt.method == "gptq" and in_features % 8):
         raise CheckpointError(f"'{prefix}': a {fmt.method.upper()} projection needs widths divisible by 8")
     groups = in_features // group_size
+    nibble_order = None if fmt.method == "gptq" else AWQ_NIBBLE
+    zeros = _unpack_columns(_int32(tensors, f"{prefix}.qzeros", (groups, out_features // 8)), nibble_order=nibble_order)
+    input_order = None
     if fmt.method == "gptq":
         qweight = _int32(tensors, f"{prefix}.qweight", (in_features // 8, out_features))
         codes = _unpack_rows(qweight).reshape(in_features, out_features)  # [in, out]
-        qzeros = _int32(tensors, f"{prefix}.qzeros", (groups, out_features // 8))
-        zeros = _unpack_columns(qzeros, nibble_order=None)  # [G, out]
         input_order = _act_order(tensors, prefix, in_features, group_size)
         if input_order is not None:
             codes = codes.index_select(0, input_order)  # the features of group 0 first, then group 1, ...
     else:
-        input_order = None
         qweight = _int32(tensors, f"{prefix}.qweight", (in_features, out_features // 8))
-        codes = _unpack_columns(qweight, nibble_order=AWQ_NIBBLE)  # [in, out]
-        qzeros = _int32(tensors, f"{prefix}.qzeros", (groups, out_features // 8))
-        zeros = _unpack_columns(qzeros, nibble_order=AWQ_NIBBLE)  # [G, out]
+        codes = _unpack_columns(qweight, nibble_order=nibble_order)  # [in, out]
     scales = _float(tensors, f"{prefix}.scales", (groups, out_features))
-    q = codes.t().to(torch.uint8)  # [out, in], values 0..15
-    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
     weight = Int4Weight(
-        packed=packed,
+        packed=pack_int4(codes.t().to(torch.uint8)),  # [out, in] codes, two a byte
         scales=scales.t().contiguous(),
         zeros=(zeros + fmt.zero_offset).t().to(torch.float32).contiguous(),
         group_size=group_size,

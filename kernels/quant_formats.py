@@ -21,6 +21,7 @@ __all__ = [
     "Int8Weight",
     "dequantize_int4",
     "dequantize_int8",
+    "pack_int4",
     "quantize_int4",
     "quantize_int8",
     "workspace_elems",
@@ -116,14 +117,18 @@ def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Wei
     zeros = torch.round(-lo / scales)
     q = (torch.round(w / scales[..., None]) + zeros[..., None]).clamp_(0, 15).to(torch.uint8)
     q = q.view(out_features, in_features)
-    packed = q[:, 0::2] | (q[:, 1::2] << 4)
-    return Int4Weight(packed=packed.contiguous(), scales=scales, zeros=zeros, group_size=group_size)
+    return Int4Weight(packed=pack_int4(q), scales=scales, zeros=zeros, group_size=group_size)
 
 
 def dequantize_int8(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The [out, in] matrix in `dtype` (computed in float32, rounded once): a new tensor for references and
     tests; the matmuls never build it whole."""
     return (w.qweight.float() * w.scales[:, None]).to(dtype)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] codes (uint8, 0..15) -> [out, in // 2] bytes, the even column in the low nibble."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

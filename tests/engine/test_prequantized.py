@@ -248,7 +248,9 @@ def test_quantize_config_json_of_older_gptq_checkpoints_is_read(
     spec = json.loads((path / "config.json").read_text())["quantization_config"]
     _edit_config(path, quantization_config=None)
     (path / "quantize_config.json").write_text(json.dumps({k: v for k, v in spec.items() if k != "quant_method"}))
-    assert _logprobs(_llm(path), PROMPT) and _llm(path).engine.state().quantization == "gptq"
+    llm = _llm(path)
+    assert llm.engine.state().quantization == "gptq"
+    assert _logprobs(llm, PROMPT)
 
 
 def test_a_quantized_lm_head_is_refused(checkpoint: Callable[..., Path], tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ class BaseModelService:
             raise invalid_request(f"The base model at {source} cannot be served: {exc}", param="source") from None
         if config.prequantized is not None and quantization is not None:
             raise invalid_request(
-                f"The base model at {source} is already quantized ({config.prequantized.label.upper()}, 4-bit) and is "
+                f"The base model at {source} is already quantized ({config.prequantized.method.upper()}, 4-bit) and is "
                 f"served as it is: register it without quantization, not '{quantization}'.",
                 param="quantization",
             )
