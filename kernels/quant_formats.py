@@ -183,3 +183,41 @@ def check_linear(x: torch.Tensor, shape: tuple[int, int], device: torch.device, 
         raise ValueError(f"x is on {x.device}, the weight on {device}")
     if bias is not None and (bias.shape != (out_features,) or bias.device != device):
         raise ValueError(f"bias must be [{out_features}] on {device}, got {tuple(bias.shape)} on {bias.device}")
+
+
+@dataclass(frozen=True)
+class LaunchTiles:
+    """How a quantized matmul kernel is launched for one call: its grid over (token, output) tiles and the tile
+    sizes, the same for int8 and int4."""
+
+    grid: tuple[int, int]
+    block_t: int  # tokens per program: 16 (tl.dot's minimum) for decode-sized calls, else 64
+    block_n: int  # output features per program
+    block_k: int  # input features per step of the reduction
+    interpret: bool  # CPU tensors: only the Triton interpreter runs them; it gets half-type dots wrong
+    dot_precision: str  # "ieee" for float32 x (TF32 would drop its low mantissa bits) and the interpreter
+
+
+def prepare_launch(
+    op: str, x: torch.Tensor, shape: tuple[int, int], device: torch.device, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, LaunchTiles | None]:
+    """What both launchers do first: check the operands, allocate `out` [num_tokens, out_features] in x's dtype,
+    and choose the tiles; None for the tiles when there is nothing to launch (no token or no output)."""
+    if not HAS_TRITON:
+        raise RuntimeError(f"{op}_triton needs Triton (the `kernels` extra); use {op}_torch")
+    check_linear(x, shape, device, bias)
+    num_tokens, out_features = x.shape[0], shape[0]
+    out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or out_features == 0:
+        return out, None
+    interpret = x.device.type == "cpu"
+    block_t = 16 if num_tokens <= 16 else 64
+    block_n = 128 if interpret else 64  # the interpreter runs a program per tile in Python: large tiles are fast
+    return out, LaunchTiles(
+        grid=(-(-num_tokens // block_t), -(-out_features // block_n)),
+        block_t=block_t,
+        block_n=block_n,
+        block_k=128 if interpret else 64,
+        interpret=interpret,
+        dot_precision="ieee" if interpret or x.dtype == torch.float32 else "tf32",
+    )

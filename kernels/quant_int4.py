@@ -12,6 +12,7 @@ from loraplex.kernels.quant_formats import (
     TILE_ELEMS,
     Int4Weight,
     check_linear,
+    prepare_launch,
     tile_buffer,
     tile_rows,
     unpack_int4,
@@ -192,26 +193,18 @@ def int4_linear_triton(
 
     On a GPU, half-precision x is multiplied with the dequantized tile rounded to x's dtype (the tensor cores'
     operands); float32 x keeps float32 tiles."""
-    if not HAS_TRITON:
-        raise RuntimeError("int4_linear_triton needs Triton (the `kernels` extra); use int4_linear_torch")
-    check_linear(x, w.shape, w.packed.device, bias)
-    num_tokens = x.shape[0]
-    out_features, in_features = w.shape
-    out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
-    if num_tokens == 0 or out_features == 0:
+    out, tiles = prepare_launch("int4_linear", x, w.shape, w.packed.device, bias)
+    if tiles is None:
         return out
-    interpret = x.device.type == "cpu"  # only the interpreter runs on CPU tensors
-    block_t = 16 if num_tokens <= 16 else 64  # 16 rows is tl.dot's minimum: decode wastes few
-    block_n = 128 if interpret else 64  # the interpreter runs a program per tile in Python
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(out_features, block_n))
-    _int4_linear_kernel[grid](
+    out_features, in_features = w.shape
+    _int4_linear_kernel[tiles.grid](
         x,
         w.packed,
         w.scales,
         w.zeros,
         bias if bias is not None else w.scales,
         out,
-        num_tokens,
+        x.shape[0],
         out_features,
         in_features,
         *x.stride(),
@@ -220,11 +213,11 @@ def int4_linear_triton(
         *w.zeros.stride(),
         *out.stride(),
         GROUP_SIZE=w.group_size,
-        BLOCK_T=block_t,
-        BLOCK_N=block_n,
-        BLOCK_K=128 if interpret else 64,
+        BLOCK_T=tiles.block_t,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
         HAS_BIAS=bias is not None,
-        DOT_FP32=interpret or x.dtype == torch.float32,
-        DOT_PRECISION="ieee" if interpret or x.dtype == torch.float32 else "tf32",
+        DOT_FP32=tiles.interpret or x.dtype == torch.float32,
+        DOT_PRECISION=tiles.dot_precision,
     )
     return out

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.kernels.quant_formats import HAS_TRITON, TILE_ELEMS, Int8Weight, check_linear, tile_buffer, tile_rows
+from loraplex.kernels.quant_formats import (
+    HAS_TRITON,
+    TILE_ELEMS,
+    Int8Weight,
+    check_linear,
+    prepare_launch,
+    tile_buffer,
+    tile_rows,
+)
 
 if HAS_TRITON:
     import triton  # type: ignore[import-untyped]
@@ -137,38 +145,29 @@ def int8_linear_triton(
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:
     """Launch the int8 kernel: check, allocate, launch. CPU tensors work under TRITON_INTERPRET=1."""
-    if not HAS_TRITON:
-        raise RuntimeError("int8_linear_triton needs Triton (the `kernels` extra); use int8_linear_torch")
-    check_linear(x, w.shape, w.qweight.device, bias)
-    num_tokens = x.shape[0]
-    out_features, in_features = w.shape
-    out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
-    if num_tokens == 0 or out_features == 0:
+    out, tiles = prepare_launch("int8_linear", x, w.shape, w.qweight.device, bias)
+    if tiles is None:
         return out
+    out_features, in_features = w.shape
     if in_features == 0:
         return out.copy_(bias) if bias is not None else out.zero_()
-    interpret = x.device.type == "cpu"  # only the interpreter runs on CPU tensors
-    block_t = 16 if num_tokens <= 16 else 64  # 16 rows is tl.dot's minimum: decode wastes few
-    # The interpreter runs a program per tile in Python: large tiles keep the tests fast.
-    block_n = 128 if interpret else 64
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(out_features, block_n))
-    _int8_linear_kernel[grid](
+    _int8_linear_kernel[tiles.grid](
         x,
         w.qweight,
         w.scales,
         bias if bias is not None else w.scales,
         out,
-        num_tokens,
+        x.shape[0],
         out_features,
         in_features,
         *x.stride(),
         *w.qweight.stride(),
         *out.stride(),
-        BLOCK_T=block_t,
-        BLOCK_N=block_n,
-        BLOCK_K=128 if interpret else 64,
+        BLOCK_T=tiles.block_t,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
         HAS_BIAS=bias is not None,
-        DOT_FP32=interpret,
-        DOT_PRECISION="ieee" if interpret or x.dtype == torch.float32 else "tf32",
+        DOT_FP32=tiles.interpret,
+        DOT_PRECISION=tiles.dot_precision,
     )
     return out
