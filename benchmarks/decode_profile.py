@@ -1,0 +1,176 @@
+"""Where the throughput benchmarks' time goes: small-row matmul rates and a profile of the timed runs.
+
+1. Memory bandwidth (a 256 MiB copy) and matmul rates (GFLOP/s) at the shapes of the benchmark model's decode
+   steps, for the row counts a decode step has (64 requests shrinking to 1; 37 on average): `F.linear` as the
+   engine calls it, the lm_head in vocabulary slices (what the engine does), MKL's pre-packed weights
+   (`torch.ops.mkl._mkl_linear`) and `W @ x.T`; beside the 2048-square rate the compute limit of
+   benchmarks/engine_throughput.py assumes.
+2. cProfile of the timed `LLM.generate` of benchmarks/engine_throughput.py (base model) and of
+   benchmarks/lora_throughput.py (the LoRA trace): seconds in the ops that matter and how many small LoRA matmuls
+   there were.
+
+    .venv/bin/python benchmarks/decode_profile.py [--threads 2] [--skip-profile]
+
+writes benchmarks/results/decode_profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import json
+import pstats
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lora_throughput
+import torch
+import torch.nn.functional as F
+from engine_throughput import NUM_REQUESTS, make_workload, matmul_flops_per_second, run_loraplex
+
+from loraplex.engine import LLM, LoRARequest
+from loraplex.engine.demo import BENCHMARK_SPEC, write_random_model
+from loraplex.engine.model_config import ModelConfig
+
+RESULTS = Path(__file__).parent / "results" / "decode_profile.json"
+ROWS = (1, 16, 37, 64, 128)
+LM_HEAD_SLICE = 2048  # engine/model.py's _LM_HEAD_SLICE
+
+
+def _seconds(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(2):
+        fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def copy_gb_per_second(num_bytes: int = 256 * 2**20) -> float:
+    """Memory bandwidth as a large tensor copy sees it (bytes read plus bytes written, per second)."""
+    source = torch.randn(num_bytes // 4)
+    target = torch.empty_like(source)
+    return 2 * num_bytes / _seconds(lambda: target.copy_(source), 5) / 1e9
+
+
+def matmul_rates(config: ModelConfig) -> dict[str, Any]:
+    c = config
+    shapes = {
+        "qkv": (c.q_size + 2 * c.kv_size, c.hidden_size),
+        "o": (c.hidden_size, c.q_size),
+        "gate_up": (2 * c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+        "lm_head": (c.vocab_size, c.hidden_size),
+    }
+    rates: dict[str, Any] = {}
+    for name, (out_features, in_features) in shapes.items():
+        weight = torch.randn(out_features, in_features)
+        repeats = 10 if name == "lm_head" else 100
+        rates[name] = {}
+        for rows in ROWS:
+            x = torch.randn(rows, in_features)
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+            variants: dict[str, Callable[[], object]] = {
+                "linear": lambda x=x, w=weight: F.linear(x, w),
+                "mkl_packed": lambda x=x, w=weight, p=packed, r=rows: torch.ops.mkl._mkl_linear(x, p, w, None, r),
+                "w_xt": lambda x=x, w=weight: torch.mm(w, x.t()),
+            }
+            if name == "lm_head":
+                variants["sliced"] = lambda x=x, w=weight: torch.cat(
+                    [F.linear(x, part) for part in torch.split(w, LM_HEAD_SLICE)], -1
+                )
+            flop = 2 * rows * out_features * in_features
+            rates[name][str(rows)] = {k: flop / _seconds(f, repeats) / 1e9 for k, f in variants.items()}
+            print(name, rows, {k: round(v) for k, v in rates[name][str(rows)].items()}, flush=True)
+    return rates
+
+
+# Functions whose time the profile reports: (label, how to read it: tottime of a builtin or cumtime of ours).
+_PROFILED = {
+    "layer and lm_head F.linear": ("<built-in method torch._C._nn.linear>", "tottime"),
+    "o and down torch.addmm": ("<built-in method torch.addmm>", "tottime"),
+    "lm_head (compute_logits)": ("model.py:compute_logits", "cumtime"),
+    "paged attention": ("paged_attention.py:paged_attention_torch", "cumtime"),
+    "decode attention": ("paged_attention.py:_decode", "cumtime"),
+    "sgmv_shrink_torch": ("sgmv_shrink.py:sgmv_shrink_torch", "cumtime"),
+    "sgmv_expand_torch": ("sgmv_expand.py:sgmv_expand_torch", "cumtime"),
+    "torch.mm calls": ("<built-in method torch.mm>", "tottime"),
+    "Tensor.addmm_ calls": ("<method 'addmm_' of 'torch._C.TensorBase' objects>", "tottime"),
+}
+
+
+def _summary(profile: cProfile.Profile) -> dict[str, Any]:
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    out: dict[str, Any] = {}
+    for label, (pattern, column) in _PROFILED.items():
+        calls, seconds = 0, 0.0
+        for (file, _, func), (_, ncalls, tottime, cumtime, _) in stats.items():
+            where = func if file == "~" else f"{Path(file).name}:{func}"
+            if where == pattern:
+                calls += ncalls
+                seconds += tottime if column == "tottime" else cumtime
+        out[label] = {"seconds": seconds, "calls": calls}
+    return out
+
+
+def _profiled(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run a benchmark function, profiling only its timed call: the last `generate` of all NUM_REQUESTS prompts."""
+    original = LLM.generate
+    profiles: list[cProfile.Profile] = []
+
+    def generate(self: LLM, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(prompts) != NUM_REQUESTS:
+            return original(self, prompts, *args, **kwargs)
+        profile = cProfile.Profile()
+        profiles.append(profile)
+        return profile.runcall(original, self, prompts, *args, **kwargs)
+
+    LLM.generate = generate  # type: ignore[method-assign]
+    try:
+        result = run()
+    finally:
+        LLM.generate = original  # type: ignore[method-assign]
+    return {"result": result, "profile": _summary(profiles[-1])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-profile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir = write_random_model(root / "model", dataclasses.replace(BENCHMARK_SPEC, torch_dtype="float32"))
+        config = ModelConfig.from_dir(model_dir)
+        result: dict[str, Any] = {
+            "threads": args.threads,
+            "matmul_2048_gflops": matmul_flops_per_second() / 1e9,
+            "copy_gb_per_s": copy_gb_per_second(),
+            "matmul_gflops": matmul_rates(config),
+        }
+        if not args.skip_profile:
+            workload = make_workload(config.vocab_size)
+            base = _profiled(lambda: run_loraplex(model_dir, workload, max_num_batched_tokens=8192))
+            adapters = lora_throughput.make_adapters(root, config)
+            loras: list[LoRARequest | None] = [
+                LoRARequest(adapters[i][0], adapters[i][1]) for i in lora_throughput.popularity()
+            ]
+            lora = _profiled(
+                lambda: lora_throughput.run_loraplex(model_dir, workload, loras, max_num_batched_tokens=8192)
+            )
+            result["profile"] = {"base": base, "lora": lora}
+            for name, run in result["profile"].items():
+                print(name, round(run["result"]["seconds"], 2), "s", json.dumps(run["profile"]), flush=True)
+
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
