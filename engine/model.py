@@ -1,10 +1,12 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
 
 Weights are plain tensors, fused where one matmul can do the work of several (q/k/v, gate/up): fewer, larger
-matmuls are what a CPU (and a GPU at small batch) runs fastest. With quantization the four projections of each
-layer are int8 or int4 weight objects instead (engine/quant_linear.py), quantized at load one layer at a time;
-everything else stays in the model's dtype. Every forward takes a ForwardBatch of flat tokens
-from many sequences at once; attention reads each sequence's keys through its block table.
+matmuls are what a CPU (and a GPU at small batch) runs fastest. On a CPU, float32 projections and an untied
+lm_head are kept input-major (quant_linear.matmul_layout), the layout MKL multiplies fastest at decode sizes.
+With quantization the four projections of each layer are int8 or int4 weight objects instead
+(engine/quant_linear.py), quantized at load one layer at a time; everything else stays in the model's dtype.
+Every forward takes a ForwardBatch of flat tokens from many sequences at once; attention reads each sequence's
+keys through its block table.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from loraplex.engine.lora_batch import LoraCompute
 from loraplex.engine.model_config import ModelConfig
 from loraplex.engine.page_pool import KVLayer
 from loraplex.engine.prequantized import LoadedInt4, PrequantizedFormat, load_int4
-from loraplex.engine.quant_linear import Weight, addmm, linear, nbytes, quantize
+from loraplex.engine.quant_linear import Weight, addmm, linear, matmul_layout, nbytes, quantize
 from loraplex.engine.rope import RotaryEmbedding, interleave_rotary_rows
 from loraplex.engine.weights import CheckpointTensors
 from loraplex.kernels.paged_attention import paged_attention
 from loraplex.kernels.quant import Int4Weight
 
-# lm_head in vocabulary slices this tall: the slice of weights stays in cache while every row uses it, which
-# measured about 1.35x faster than one [num_rows, vocab] matmul on a 2-core CPU at vocab 32000.
+# A row-major lm_head (half types, tied embeddings) in vocabulary slices this tall: the slice of weights stays in
+# cache while every row uses it, which measured about 1.35x faster than one [num_rows, vocab] matmul on a 2-core
+# AVX2 CPU at vocab 32000. A float32 one is stored input-major (matmul_layout) and runs whole: fastest that way.
 _LM_HEAD_SLICE = 2048
 
 
@@ -161,7 +164,7 @@ class LlamaModel:
                 raise CheckpointError("the checkpoint has no 'lm_head.weight' and config.json does not tie embeddings")
             self.lm_head = self.embed
         else:
-            self.lm_head = self._take(tensors, "lm_head.weight", (c.vocab_size, c.hidden_size))
+            self.lm_head = matmul_layout(self._take(tensors, "lm_head.weight", (c.vocab_size, c.hidden_size)))
         # One layer at a time: a quantized load never holds more than one layer's float weights.
         self.layers = [self._load_layer(tensors, i) for i in range(c.num_layers)]
 
@@ -251,7 +254,7 @@ class LlamaModel:
 
     def _quantized(self, weight: torch.Tensor) -> Weight:
         if self.quantization is None:
-            return weight
+            return matmul_layout(weight)
         try:
             return quantize(weight, self.quantization)
         except ValueError as exc:
@@ -335,7 +338,8 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
-        if self.device.type != "cpu" or self.lm_head.shape[0] <= _LM_HEAD_SLICE:
+        input_major = self.lm_head.stride(0) == 1  # matmul_layout's float32 copy: fastest whole
+        if self.device.type != "cpu" or input_major or self.lm_head.shape[0] <= _LM_HEAD_SLICE:
             return F.linear(hidden, self.lm_head).float()
         parts = [F.linear(hidden, w) for w in torch.split(self.lm_head, _LM_HEAD_SLICE)]
         return torch.cat(parts, dim=-1).float()

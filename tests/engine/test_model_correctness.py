@@ -156,3 +156,20 @@ def test_half_precision_checkpoints_load_and_agree(
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
     # auto serves half checkpoints in float32 on a CPU.
     assert EngineCore(EngineConfig(model=path, device="cpu", kv_budget=4 * 2**20)).dtype == torch.float32
+
+
+def test_float32_weights_are_kept_input_major(checkpoint: Callable[..., Path]) -> None:
+    """On a CPU, float32 projections and an untied lm_head are stored input-major (the faster layout for MKL at
+    decode sizes, docs/decisions/0017); half types and a tied lm_head (the embedding table itself) are not."""
+    untied = EngineCore(EngineConfig(model=checkpoint("llama-gqa"), dtype="float32", device="cpu", kv_budget=2**20))
+    layer = untied.model.layers[0]
+    for weight in (layer.qkv, layer.o, layer.gate_up, layer.down, untied.model.lm_head):
+        assert isinstance(weight, torch.Tensor)
+        assert weight.t().is_contiguous() and not weight.is_contiguous()
+    assert untied.model.embed.is_contiguous()
+
+    tied = EngineCore(EngineConfig(model=checkpoint("llama-tied"), dtype="float32", device="cpu", kv_budget=2**20))
+    assert tied.model.lm_head is tied.model.embed and tied.model.embed.is_contiguous()
+
+    half = EngineCore(EngineConfig(model=checkpoint("llama-gqa"), dtype="bfloat16", device="cpu", kv_budget=2**20))
+    assert half.model.layers[0].qkv.is_contiguous() and half.model.lm_head.is_contiguous()
