@@ -1,10 +1,11 @@
 """Where the throughput benchmarks' time goes: small-row matmul rates and a profile of the timed runs.
 
 1. Memory bandwidth (a 256 MiB copy) and matmul rates (GFLOP/s) at the shapes of the benchmark model's decode
-   steps, for the row counts a decode step has (64 requests shrinking to 1; 37 on average): `F.linear` as the
-   engine calls it, the lm_head in vocabulary slices (what the engine does), MKL's pre-packed weights
-   (`torch.ops.mkl._mkl_linear`) and `W @ x.T`; beside the 2048-square rate the compute limit of
-   benchmarks/engine_throughput.py assumes.
+   steps, for the row counts a decode step has (64 requests shrinking to 1; 37 on average): `F.linear` on the
+   checkpoint's row-major weight, `F.linear` on the input-major copy the engine keeps for float32 on a CPU
+   (docs/decisions/0017), the row-major lm_head in vocabulary slices (what the engine does when it is row-major),
+   MKL's pre-packed weights (`torch.ops.mkl._mkl_linear`, only at the row count they were packed for) and
+   `W @ x.T`; beside the 2048-square rate the compute limit of benchmarks/engine_throughput.py assumes.
 2. cProfile of the timed `LLM.generate` of benchmarks/engine_throughput.py (base model) and of
    benchmarks/lora_throughput.py (the LoRA trace): seconds in the ops that matter and how many small LoRA matmuls
    there were.
@@ -69,6 +70,7 @@ def matmul_rates(config: ModelConfig) -> dict[str, Any]:
     rates: dict[str, Any] = {}
     for name, (out_features, in_features) in shapes.items():
         weight = torch.randn(out_features, in_features)
+        input_major = weight.t().contiguous().t()
         repeats = 10 if name == "lm_head" else 100
         rates[name] = {}
         for rows in ROWS:
@@ -76,6 +78,7 @@ def matmul_rates(config: ModelConfig) -> dict[str, Any]:
             packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
             variants: dict[str, Callable[[], object]] = {
                 "linear": lambda x=x, w=weight: F.linear(x, w),
+                "input_major": lambda x=x, w=input_major: F.linear(x, w),
                 "mkl_packed": lambda x=x, w=weight, p=packed, r=rows: torch.ops.mkl._mkl_linear(x, p, w, None, r),
                 "w_xt": lambda x=x, w=weight: torch.mm(w, x.t()),
             }
