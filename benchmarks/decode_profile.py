@@ -6,7 +6,11 @@
    (docs/decisions/0017), the row-major lm_head in vocabulary slices (what the engine does when it is row-major),
    MKL's pre-packed weights (`torch.ops.mkl._mkl_linear`, only at the row count they were packed for) and
    `W @ x.T`; beside the 2048-square rate the compute limit of benchmarks/engine_throughput.py assumes.
-2. cProfile of the timed `LLM.generate` of benchmarks/engine_throughput.py (base model) and of
+2. The matmul floor of the base trace: the trace run once to record every step's token and logits row counts,
+   then the engine's own projections (its weights, in its layout) and lm_head timed alone at each step's counts,
+   best of three. Their sum is what the trace would take if attention and everything else were free; beside the
+   compute limit it gives the highest fraction of the limit this engine's matmuls allow (`ceiling_fraction`).
+3. cProfile of the timed `LLM.generate` of benchmarks/engine_throughput.py (base model) and of
    benchmarks/lora_throughput.py (the LoRA trace): seconds in the ops that matter and how many small LoRA matmuls
    there were.
 
@@ -31,11 +35,20 @@ from typing import Any
 import lora_throughput
 import torch
 import torch.nn.functional as F
-from engine_throughput import NUM_REQUESTS, make_workload, matmul_flops_per_second, run_loraplex
+from engine_throughput import (
+    NUM_REQUESTS,
+    Workload,
+    make_workload,
+    matmul_flops_per_second,
+    run_loraplex,
+    workload_flops,
+)
 
-from loraplex.engine import LLM, LoRARequest
+from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.demo import BENCHMARK_SPEC, write_random_model
+from loraplex.engine.model import LlamaModel
 from loraplex.engine.model_config import ModelConfig
+from loraplex.engine.quant_linear import addmm, linear
 
 RESULTS = Path(__file__).parent / "results" / "decode_profile.json"
 ROWS = (1, 16, 37, 64, 128)
@@ -90,6 +103,71 @@ def matmul_rates(config: ModelConfig) -> dict[str, Any]:
             rates[name][str(rows)] = {k: flop / _seconds(f, repeats) / 1e9 for k, f in variants.items()}
             print(name, rows, {k: round(v) for k, v in rates[name][str(rows)].items()}, flush=True)
     return rates
+
+
+def _step_matmuls_seconds(model: LlamaModel, tokens: int, logits_rows: int) -> float:
+    """Best of three: one step's projections over `tokens` rows in every layer, then the lm_head over
+    `logits_rows`, with the model's own weights (what a step of the engine multiplies)."""
+    c = model.config
+    x = torch.randn(tokens, c.hidden_size)
+    attn = torch.randn(tokens, c.q_size)
+    act = torch.randn(tokens, c.intermediate_size)
+    hidden = torch.randn(logits_rows, c.hidden_size)
+
+    @torch.inference_mode()
+    def step() -> None:
+        for layer in model.layers:
+            linear(x, layer.qkv, layer.qkv_bias)
+            addmm(x, attn, layer.o)
+            linear(x, layer.gate_up)
+            addmm(x, act, layer.down)
+        if logits_rows:
+            model.compute_logits(hidden)
+
+    step()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_floor(model_dir: Path, workload: Workload) -> dict[str, Any]:
+    """Run the base trace once, recording (tokens, logits rows) per step, then time each step's matmuls alone."""
+    llm = LLM(
+        model_dir, dtype="float32", device="cpu", kv_budget=2 * 2**30, max_model_len=512, max_num_batched_tokens=8192
+    )
+    model = llm.engine.model
+    steps: list[list[int]] = []
+    forward, logits = model.forward, model.compute_logits
+
+    def record_forward(batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        hidden = forward(batch, *args, **kwargs)
+        steps.append([hidden.shape[0], 0])
+        return hidden
+
+    def record_logits(hidden: torch.Tensor) -> torch.Tensor:
+        steps[-1][1] = hidden.shape[0]
+        return logits(hidden)
+
+    model.forward, model.compute_logits = record_forward, record_logits  # type: ignore[method-assign]
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
+        llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
+    finally:
+        del model.forward, model.compute_logits  # back to the class's methods
+    timed: dict[tuple[int, int], float] = {}
+    for tokens, rows in steps:
+        if (tokens, rows) not in timed:
+            timed[(tokens, rows)] = _step_matmuls_seconds(model, tokens, rows)
+    seconds = sum(timed[(tokens, rows)] for tokens, rows in steps)
+    return {
+        "steps": len(steps),
+        "distinct_shapes": len(timed),
+        "seconds": seconds,
+        "tokens_per_s": workload.useful_tokens / seconds,
+    }
 
 
 # Functions whose time the profile reports: (label, how to read it: tottime of a builtin or cumtime of ours).
@@ -151,14 +229,21 @@ def main() -> None:
         root = Path(tmp)
         model_dir = write_random_model(root / "model", dataclasses.replace(BENCHMARK_SPEC, torch_dtype="float32"))
         config = ModelConfig.from_dir(model_dir)
+        peak = matmul_flops_per_second()
+        workload = make_workload(config.vocab_size)
+        limit_tokens_per_s = workload.useful_tokens / (workload_flops(config, workload) / peak)
         result: dict[str, Any] = {
             "threads": args.threads,
-            "matmul_2048_gflops": matmul_flops_per_second() / 1e9,
+            "matmul_2048_gflops": peak / 1e9,
+            "limit_tokens_per_s": limit_tokens_per_s,
             "copy_gb_per_s": copy_gb_per_second(),
             "matmul_gflops": matmul_rates(config),
         }
+        floor = matmul_floor(model_dir, workload)
+        floor["ceiling_fraction"] = floor["tokens_per_s"] / limit_tokens_per_s
+        result["matmul_floor"] = floor
+        print("matmul floor", json.dumps(floor), flush=True)
         if not args.skip_profile:
-            workload = make_workload(config.vocab_size)
             base = _profiled(lambda: run_loraplex(model_dir, workload, max_num_batched_tokens=8192))
             adapters = lora_throughput.make_adapters(root, config)
             loras: list[LoRARequest | None] = [

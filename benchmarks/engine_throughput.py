@@ -8,8 +8,10 @@ Compares, in one run on this machine:
 Throughput counts useful output tokens: the tokens each request asked for (ignore_eos, so exactly max_tokens).
 
     .venv/bin/python benchmarks/engine_throughput.py [--threads 2] [--batch-sizes 16,32,64] [--skip-transformers]
+        [--dtype float32|bfloat16|float16]
 
-writes benchmarks/results/engine_throughput.json.
+writes benchmarks/results/engine_throughput.json (float32, the issue's workload) or
+engine_throughput_<dtype>.json: the checkpoint, both engines and the limit's 2048-square matmul all in that dtype.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ def workload_flops(config: ModelConfig, workload: Workload) -> float:
     return flops
 
 
-def matmul_flops_per_second(size: int = 2048, repeats: int = 10) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_flops_per_second(size: int = 2048, repeats: int = 10, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     for _ in range(3):
         a @ b
     start = time.perf_counter()
@@ -79,10 +81,12 @@ def matmul_flops_per_second(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
-def run_loraplex(model_dir: Path, workload: Workload, *, max_num_batched_tokens: int) -> dict[str, Any]:
+def run_loraplex(
+    model_dir: Path, workload: Workload, *, max_num_batched_tokens: int, dtype: str = "float32"
+) -> dict[str, Any]:
     llm = LLM(
         model_dir,
-        dtype="float32",
+        dtype=dtype,
         device="cpu",
         kv_budget=2 * 2**30,
         max_model_len=512,
@@ -108,10 +112,12 @@ def run_loraplex(model_dir: Path, workload: Workload, *, max_num_batched_tokens:
     }
 
 
-def run_transformers(model_dir: Path, workload: Workload, batch_sizes: list[int]) -> dict[str, Any]:
+def run_transformers(
+    model_dir: Path, workload: Workload, batch_sizes: list[int], dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).eval()
     results: dict[str, Any] = {}
     for batch_size in batch_sizes:
         start = time.perf_counter()
@@ -145,24 +151,26 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--batch-sizes", default="16,32,64")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_random_model(Path(tmp) / "model", dataclasses.replace(BENCHMARK_SPEC, torch_dtype="float32"))
+        model_dir = write_random_model(Path(tmp) / "model", dataclasses.replace(BENCHMARK_SPEC, torch_dtype=args.dtype))
         config = ModelConfig.from_dir(model_dir)
         workload = make_workload(config.vocab_size)
         flops = workload_flops(config, workload)
-        peak = matmul_flops_per_second()
+        peak = matmul_flops_per_second(dtype=dtype)
         limit_tokens_per_s = workload.useful_tokens / (flops / peak)
 
-        ours = run_loraplex(model_dir, workload, max_num_batched_tokens=args.max_num_batched_tokens)
+        ours = run_loraplex(model_dir, workload, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
         theirs = (
             None
             if args.skip_transformers
-            else run_transformers(model_dir, workload, [int(b) for b in args.batch_sizes.split(",")])
+            else run_transformers(model_dir, workload, [int(b) for b in args.batch_sizes.split(",")], dtype)
         )
-        peak_after = matmul_flops_per_second()
+        peak_after = matmul_flops_per_second(dtype=dtype)
 
     result: dict[str, Any] = {
         "machine": {
@@ -177,7 +185,7 @@ def main() -> None:
             "heads": config.num_heads,
             "kv_heads": config.num_kv_heads,
             "vocab": config.vocab_size,
-            "dtype": "float32",
+            "dtype": args.dtype,
         },
         "workload": {
             "requests": NUM_REQUESTS,
@@ -193,8 +201,9 @@ def main() -> None:
     }
     if theirs is not None:
         result["loraplex_over_transformers"] = ours["tokens_per_s"] / theirs["best_tokens_per_s"]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    path = RESULTS if args.dtype == "float32" else RESULTS.with_name(f"engine_throughput_{args.dtype}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 
