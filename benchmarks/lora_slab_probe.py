@@ -7,7 +7,8 @@ requests that asked for more than k tokens, one token each, grouped by adapter. 
 projection group, the LoRA delta is computed two ways, on one thread as the engine runs decode-sized LoRA:
 
 - per segment (what the engine does now, kernels/sgmv_*.py's torch path without its checks): one shrink matmul
-  per adapter and group, one expand per adapter and module, each adapter's matrices a view of its own memory;
+  per adapter and group, one expand per adapter and module, each adapter's matrices a view of its own memory in
+  the engine's layout (A [group rank, in] multiplied as x @ A^T, B^T [rank, out]);
 - per rank class (a layout the engine does not have): the adapters of one rank stored as equal slabs one after
   another, so the step's adapters of that rank are one strided batch: their tokens padded to the class's longest
   segment, one batched shrink and one batched expand per module for the whole class, then the rows scattered
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,8 +60,8 @@ def decode_steps(owners: list[int], max_tokens: list[int]) -> list[list[tuple[in
 
 
 class Weights:
-    """Per layer and group: A^T [in, group rank] and B^T [rank, out] per module, for each adapter; and the same
-    numbers as per-rank-class slabs [adapters of the class, ...]."""
+    """Per layer and group, for each adapter: A [group rank, in] and B^T [rank, out] per module (the engine's
+    layout), stored as per-rank-class slabs [adapters of the class, ...]."""
 
     def __init__(self, ranks: dict[int, int], seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -70,21 +70,21 @@ class Weights:
         for adapter, rank in sorted(ranks.items()):
             self.classes.setdefault(rank, []).append(adapter)
         self.position = {a: i for members in self.classes.values() for i, a in enumerate(members)}
-        # slabs[layer][group] = {rank: (A^T slab [n, in, rank * modules], [B^T slab [n, rank, out] per module])}
+        # slabs[layer][group] = {rank: (A slab [n, rank * modules, in], [B^T slab [n, rank, out] per module])}
         self.slabs: list[dict[str, dict[int, tuple[torch.Tensor, list[torch.Tensor]]]]] = []
         for _ in range(LAYERS):
             per_group: dict[str, dict[int, tuple[torch.Tensor, list[torch.Tensor]]]] = {}
             for group, (width, modules) in GROUPS.items():
                 per_group[group] = {
                     rank: (
-                        torch.randn(len(members), width, rank * len(modules), generator=gen) * 0.02,
+                        torch.randn(len(members), rank * len(modules), width, generator=gen) * 0.02,
                         [torch.randn(len(members), rank, out, generator=gen) * 0.02 for _, out in modules],
                     )
                     for rank, members in self.classes.items()
                 }
             self.slabs.append(per_group)
 
-    def a_t(self, layer: int, group: str, adapter: int) -> torch.Tensor:
+    def a(self, layer: int, group: str, adapter: int) -> torch.Tensor:
         return self.slabs[layer][group][self.ranks[adapter]][0][self.position[adapter]]
 
     def b_t(self, layer: int, group: str, module: int, adapter: int) -> torch.Tensor:
@@ -100,11 +100,11 @@ def per_segment(weights: Weights, step: list[tuple[int, int]], xs: dict[str, tor
     for layer in range(LAYERS):
         for group, (_, modules) in GROUPS.items():
             x = xs[group]
-            h = torch.empty(x.shape[0], 64 * len(modules))
+            h = torch.empty(x.shape[0], max(weights.classes) * len(modules))
             outs = [torch.zeros(x.shape[0], out) for _, out in modules]
             for (adapter, _), start, end in zip(step, bounds, bounds[1:], strict=False):
                 rank = weights.ranks[adapter]
-                torch.mm(x[start:end], weights.a_t(layer, group, adapter), out=h[start:end, : rank * len(modules)])
+                torch.mm(x[start:end], weights.a(layer, group, adapter).t(), out=h[start:end, : rank * len(modules)])
                 for m, y in enumerate(outs):
                     y[start:end].addmm_(h[start:end, m * rank : (m + 1) * rank], weights.b_t(layer, group, m, adapter))
                 calls += 1 + len(modules)
@@ -119,10 +119,10 @@ def per_class(weights: Weights, step: list[tuple[int, int]], xs: dict[str, torch
         bounds.append(bounds[-1] + n)
     # Per class: each member slot's token rows, padded to the class's longest segment (-1: padding).
     plans: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+    rows_of = {
+        adapter: list(range(start, end)) for (adapter, _), start, end in zip(step, bounds, bounds[1:], strict=False)
+    }
     for rank, members in weights.classes.items():
-        rows_of = {
-            adapter: list(range(start, end)) for (adapter, _), start, end in zip(step, bounds, bounds[1:], strict=False)
-        }
         if not any(a in rows_of for a in members):
             continue
         longest = max(len(rows_of.get(a, [])) for a in members)
@@ -140,7 +140,7 @@ def per_class(weights: Weights, step: list[tuple[int, int]], xs: dict[str, torch
                 a_slab, b_slabs = weights.slabs[layer][group][rank]
                 n = a_slab.shape[0]
                 xb = x.index_select(0, index).view(n, longest, -1)
-                h = torch.bmm(xb, a_slab)  # [n, longest, rank * modules]
+                h = torch.bmm(xb, a_slab.transpose(1, 2))  # [n, longest, rank * modules]
                 for m, (y, b_slab) in enumerate(zip(outs, b_slabs, strict=True)):
                     delta = torch.bmm(h[:, :, m * rank : (m + 1) * rank], b_slab).view(n * longest, -1)
                     y.index_add_(0, index[real], delta[real])
@@ -168,10 +168,7 @@ def main() -> None:
     torch.set_num_threads(1)  # what the engine uses for decode-sized LoRA (engine/lora_batch.py)
 
     owners = lora_throughput.popularity()
-    rank_of_adapter = {}
-    rng = random.Random(0)  # lora_throughput.make_adapters' rank draw, without writing the adapters
-    for i in range(lora_throughput.NUM_ADAPTERS):
-        rank_of_adapter[i] = rng.choice(lora_throughput.RANKS)
+    rank_of_adapter = dict(enumerate(lora_throughput.adapter_ranks()))
     present = sorted(set(owners))
     weights = Weights({a: rank_of_adapter[a] for a in present})
     workload = make_workload(32000)

@@ -47,11 +47,15 @@ FIXED_POOL_BYTES = 256 * 2**20
 PAGE_ELEMS = 2 * 4 * 16 * 64  # the benchmark model's KV block (k and v, 4 KV heads, 16 tokens, head_dim 64)
 
 
-def make_adapters(root: Path, config: ModelConfig, seed: int = 0) -> list[tuple[str, Path, int]]:
+def adapter_ranks(seed: int = 0) -> list[int]:
+    """The rank of each of the NUM_ADAPTERS adapters."""
     rng = random.Random(seed)
+    return [rng.choice(RANKS) for _ in range(NUM_ADAPTERS)]
+
+
+def make_adapters(root: Path, config: ModelConfig, seed: int = 0) -> list[tuple[str, Path, int]]:
     adapters = []
-    for i in range(NUM_ADAPTERS):
-        rank = rng.choice(RANKS)
+    for i, rank in enumerate(adapter_ranks(seed)):
         path = write_random_adapter(root / f"adapter-{i:02d}", config, rank=rank, seed=i, init_std=0.02)
         adapters.append((f"adapter-{i:02d}", path, rank))
     return adapters
