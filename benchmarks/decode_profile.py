@@ -10,6 +10,8 @@
    then the engine's own projections (its weights, in its layout) and lm_head timed alone at each step's counts,
    best of three. Their sum is what the trace would take if attention and everything else were free; beside the
    compute limit it gives the highest fraction of the limit this engine's matmuls allow (`ceiling_fraction`).
+   The same again with the weights row-major, as the checkpoint holds them (`row_major_seconds`: what the matmuls
+   cost before the engine kept float32 weights input-major, docs/decisions/0017).
 3. cProfile of the timed `LLM.generate` of benchmarks/engine_throughput.py (base model) and of
    benchmarks/lora_throughput.py (the LoRA trace): seconds in the ops that matter and how many small LoRA matmuls
    there were.
@@ -22,6 +24,7 @@ writes benchmarks/results/decode_profile.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import dataclasses
 import json
@@ -157,16 +160,33 @@ def matmul_floor(model_dir: Path, workload: Workload) -> dict[str, Any]:
         llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
     finally:
         del model.forward, model.compute_logits  # back to the class's methods
-    timed: dict[tuple[int, int], float] = {}
+    # The same weights row-major: the engine's matmuls as they ran before it kept them input-major.
+    row_major = copy.copy(model)
+    row_major.layers = [
+        dataclasses.replace(
+            layer,
+            qkv=layer.qkv.contiguous(),
+            o=layer.o.contiguous(),
+            gate_up=layer.gate_up.contiguous(),
+            down=layer.down.contiguous(),
+        )
+        for layer in model.layers
+    ]
+    row_major.lm_head = model.lm_head.contiguous()
+    timed: dict[tuple[int, int], tuple[float, float]] = {}
     for tokens, rows in steps:
         if (tokens, rows) not in timed:
-            timed[(tokens, rows)] = _step_matmuls_seconds(model, tokens, rows)
-    seconds = sum(timed[(tokens, rows)] for tokens, rows in steps)
+            timed[(tokens, rows)] = (
+                _step_matmuls_seconds(model, tokens, rows),
+                _step_matmuls_seconds(row_major, tokens, rows),
+            )
+    seconds = sum(timed[shape][0] for shape in map(tuple, steps))
     return {
         "steps": len(steps),
         "distinct_shapes": len(timed),
         "seconds": seconds,
         "tokens_per_s": workload.useful_tokens / seconds,
+        "row_major_seconds": sum(timed[shape][1] for shape in map(tuple, steps)),
     }
 
 
@@ -229,7 +249,8 @@ def main() -> None:
         root = Path(tmp)
         model_dir = write_random_model(root / "model", dataclasses.replace(BENCHMARK_SPEC, torch_dtype="float32"))
         config = ModelConfig.from_dir(model_dir)
-        peak = matmul_flops_per_second()
+        # Best of five: the floor is a best time too, and one reading of a busy host's rate can be 20% low.
+        peak = max(matmul_flops_per_second() for _ in range(5))
         workload = make_workload(config.vocab_size)
         limit_tokens_per_s = workload.useful_tokens / (workload_flops(config, workload) / peak)
         result: dict[str, Any] = {
