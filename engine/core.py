@@ -230,6 +230,17 @@ class EngineCore:
             )
         return room
 
+    def check_prompt_text(self, text: str, param: str = "prompt") -> None:
+        """Raise ContextLengthExceeded if `text` is surely too long for the context, told from its length alone, so
+        that a prompt megabytes long is refused before it is tokenized. Reads only immutable state."""
+        if self.tokenizer.surely_longer_than(text, self.max_model_len - 1):
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt is "
+                f"{len(text)} characters long, more than that many tokens can hold. Please reduce the length of the "
+                "prompt.",
+                param=param,
+            )
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and give back all its pages; returns its final output (None if unknown)."""
         request = self.requests.get(request_id)

@@ -71,7 +71,12 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
         config_path = path / "config.json"
-        if not config_path.is_file():
+        try:
+            found = config_path.is_file()
+        except (OSError, ValueError) as exc:  # a name longer than the filesystem allows, a NUL byte
+            reason = getattr(exc, "strerror", None) or exc
+            raise CheckpointError(f"{str(path)[:200]!r} is not a usable path: {reason}") from None
+        if not found:
             raise CheckpointError(f"{path} has no config.json: not a Hugging Face model folder")
         try:
             raw = json.loads(config_path.read_text())

@@ -333,6 +333,29 @@ class TextPart(BaseModel):
     text: str
 
 
+# Part types of OpenAI's chat API that carry something other than text: these models read text only.
+NON_TEXT_PARTS = ("image_url", "input_audio", "file")
+
+
+def check_content(value: Any) -> Any:
+    """A message's `content` as OpenAI's SDK sends it: a string or a list of `{"type": "text", "text": ...}` parts.
+    Raise ValueError naming what is wrong (an image or audio part by its type), for pydantic to report by field."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError('content must be a string or a list of {"type": "text", "text": ...} parts')
+    for index, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if isinstance(kind, str) and kind in NON_TEXT_PARTS:
+            raise ValueError(f"part {index} has type '{kind}': this model reads text only, send 'text' parts")
+        if isinstance(kind, str) and kind != "text":
+            raise ValueError(f"part {index} has type '{kind[:64]}', which is not supported: send 'text' parts")
+        raise ValueError(f'part {index} must be {{"type": "text", "text": "..."}} with a string text')
+    return value
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -343,12 +366,7 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _content_shape(cls, value: Any) -> Any:
-        parts_ok = isinstance(value, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value
-        )
-        if not (isinstance(value, str) or parts_ok):
-            raise ValueError('content must be a string or a list of {"type": "text", "text": ...} parts')
-        return value
+        return check_content(value)
 
     def text(self) -> str:
         if isinstance(self.content, str):

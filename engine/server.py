@@ -24,14 +24,17 @@ request races its generation against the disconnect, answering 499.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Final
 
-from litestar import Controller, Litestar, Request, Response, get, post
+from litestar import Controller, Litestar, Request, Response, Router, get, post
 from litestar.background_tasks import BackgroundTask
+from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.params import JSONBody
 from litestar.response import Stream
@@ -42,6 +45,7 @@ from loraplex.engine.api_errors import ApiError, ClientDisconnected
 from loraplex.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import EngineError, RequestError
+from loraplex.engine.http_edge import GuardedRequest, refuse_nul_bytes
 from loraplex.engine.lora_registry import AdapterRoots, LoraRegistry
 from loraplex.engine.metrics import CONTENT_TYPE
 from loraplex.engine.protocol import (
@@ -183,6 +187,18 @@ def _stream(job: Job, chunks: AsyncGenerator[BaseModel, None]) -> Stream:
     )
 
 
+def api_key_guard(api_key: str) -> Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], None]:
+    """A guard that admits a request only with `Authorization: Bearer <api_key>` (vLLM's --api-key)."""
+    expected = api_key.encode()
+
+    def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        scheme, _space, token = connection.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise ApiError(401, "Incorrect API key provided for this engine.", code="invalid_api_key")
+
+    return guard
+
+
 class OpenAIController(Controller):
     path = "/v1"
     tags = ["openai"]
@@ -191,7 +207,7 @@ class OpenAIController(Controller):
     async def completions(
         self, data: JSONBody[CompletionRequest], request: Request[Any, Any, Any], serving: Serving
     ) -> Response[Any]:
-        job = serving.completion_job(data)
+        job = await serving.completion_job(data)
         if data.stream:
             return _stream(job, serving.complete_stream(job, data))
         try:
@@ -203,7 +219,7 @@ class OpenAIController(Controller):
     async def chat_completions(
         self, data: JSONBody[ChatCompletionRequest], request: Request[Any, Any, Any], serving: Serving
     ) -> Response[Any]:
-        job = serving.chat_job(data)
+        job = await serving.chat_job(data)
         if data.stream:
             return _stream(job, serving.chat_stream(job, data))
         try:
@@ -261,6 +277,7 @@ def create_engine_app(
     *,
     adapter_roots: Sequence[str] = (),
     registration: RegistrationConfig | None = None,
+    api_key: str | None = None,
 ) -> Litestar:
     """An app serving `engine`, which the caller owns (creates, and shuts down after the app stops), and the
     adapters already in `loras` (see `load_lora_modules`); without it, adapters come only from the load route.
@@ -268,6 +285,8 @@ def create_engine_app(
     `adapter_roots`: the folders and s3:// prefixes a request's `lora_adapter` may point into (none: the field is
     refused). `registration`: register the engine in the fleet while the app runs (its lifespan, so only under an
     ASGI server that runs lifespans, as uvicorn does); its base-model name is then also accepted as `model`.
+    `api_key`: every /v1 route (completions, models, the adapter load and unload routes) then needs it as a bearer
+    token, as vLLM's --api-key does; /healthz and /metrics stay open for probes and scrapes.
     Raises ValueError for a malformed root.
     """
     roots = AdapterRoots(adapter_roots)
@@ -288,10 +307,17 @@ def create_engine_app(
 
         lifespan.append(registered)
 
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key must not be empty")
+    openai = Router(
+        path="/", route_handlers=[OpenAIController], guards=[] if api_key is None else [api_key_guard(api_key)]
+    )
     return Litestar(
-        route_handlers=[OpenAIController, OperationsController],
+        route_handlers=[openai, OperationsController],
         dependencies={"serving": Provide(provide_serving, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
+        request_class=GuardedRequest,
+        before_request=refuse_nul_bytes,
         openapi_config=OpenAPIConfig(title="loraplex engine", version="1", path="/schema"),
         logging_config=None,  # the process configures logging; Litestar's default would replace its handlers
         lifespan=lifespan,
@@ -316,6 +342,7 @@ async def serve(
     *,
     adapter_roots: Sequence[str] = (),
     registration: RegistrationConfig | None = None,
+    api_key: str | None = None,
 ) -> None:
     """Load the engine and the adapters named in `lora_modules`, serve them (and, with `registration`, announce
     them to the fleet) until uvicorn is told to stop (SIGINT/SIGTERM), then shut the engine down.
@@ -329,7 +356,7 @@ async def serve(
     engine = await AsyncEngine.create(config)
     try:
         loras = await load_lora_modules(engine, lora_modules)
-        app = create_engine_app(engine, loras, adapter_roots=adapter_roots, registration=registration)
+        app = create_engine_app(engine, loras, adapter_roots=adapter_roots, registration=registration, api_key=api_key)
         server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
         )

@@ -65,6 +65,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Prompts at least this long are tokenized in a worker thread; shorter ones take less than a millisecond, less than
+# the hop to a thread costs.
+OFFLOAD_TOKENIZE_CHARS: Final = 16_384
+
 
 # --- running engine requests -------------------------------------------------------------------------------------
 
@@ -266,7 +270,16 @@ class OpenAIServing:
             logger.warning("%s: ignoring unknown fields %s", job.response_id, ", ".join(body.unknown_fields))
         return job
 
-    def completion_job(self, body: CompletionRequest) -> Job:
+    async def _encode(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+        """`text`'s token ids; a text surely over the context is refused untokenized, and a long one is tokenized
+        in a worker thread (the tokenizer lets go of the GIL), so that it never stalls this server's other requests."""
+        core = self.engine.core
+        core.check_prompt_text(text, param)
+        if len(text) < OFFLOAD_TOKENIZE_CHARS:
+            return core.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(core.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def completion_job(self, body: CompletionRequest) -> Job:
         arrived = time.perf_counter()
         model, lora = self._check_model(body.model, body.lora_adapter)
         params = body.sampling_params()
@@ -274,21 +287,21 @@ class OpenAIServing:
         prompts: list[_Prompt] = []
         for prompt in body.prompts:
             if isinstance(prompt, str):
-                prompts.append(_Prompt(tokenizer.encode(prompt), prompt))
+                prompts.append(_Prompt(await self._encode(prompt, add_special_tokens=True, param="prompt"), prompt))
             else:
                 text = tokenizer.decode(prompt, skip_special_tokens=False) if body.echo else None
                 prompts.append(_Prompt(list(prompt), text))
             self._check_prompt(prompts[-1].token_ids, params, "prompt")
         return self._job("cmpl", body, prompts, params, arrived, model, lora)
 
-    def chat_job(self, body: ChatCompletionRequest) -> Job:
+    async def chat_job(self, body: ChatCompletionRequest) -> Job:
         arrived = time.perf_counter()
         model, lora = self._check_model(body.model, body.lora_adapter)
         params = body.sampling_params()
         tokenizer = self.engine.core.tokenizer
         text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt)
         # The rendered template carries its own special tokens (BOS included): adding them again would double them.
-        prompt = _Prompt(tokenizer.encode(text, add_special_tokens=False), text)
+        prompt = _Prompt(await self._encode(text, add_special_tokens=False, param="messages"), text)
         self._check_prompt(prompt.token_ids, params, "messages")
         return self._job("chatcmpl", body, [prompt], params, arrived, model, lora)
 

@@ -89,6 +89,8 @@ class Tokenizer:
             token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
         )
 
+        self.max_chars_per_token: int | None = _max_chars_per_token(backend, self.vocab_size)
+
         # Llama 3 style folders add BOS in tokenizer.json's post-processor; Llama 2 style ones may only say
         # add_bos_token. Adding it in both places would double it, so ask the post-processor what it does.
         post_processor_adds_bos = self.bos_token_id is not None and backend.encode("").ids[:1] == [self.bos_token_id]
@@ -218,6 +220,12 @@ class Tokenizer:
             self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt), add_special_tokens=False
         )
 
+    def surely_longer_than(self, text: str, num_tokens: int) -> bool:
+        """Whether `text` encodes to more than `num_tokens` tokens, told from its length alone (False when unsure).
+        A cheap bound that lets a prompt far over the context be refused without tokenizing it, which for megabytes
+        takes seconds."""
+        return self.max_chars_per_token is not None and len(text) > num_tokens * self.max_chars_per_token
+
     def _token_id_of(self, token: str, field: str) -> int:
         token_id = self._backend.token_to_id(token)
         if token_id is None:
@@ -253,6 +261,28 @@ def _tojson(
 
 def _strftime_now(format_string: str) -> str:
     return datetime.now().strftime(format_string)
+
+
+# How many input characters one token may stand for at most, beyond its own text, when the tokenizer normalizes:
+# Unicode composition folds up to three code points into one (Hangul jamo), so four is a safe margin.
+_NORMALIZER_MARGIN = 4
+
+
+def _max_chars_per_token(backend: BackendTokenizer, vocab_size: int) -> int | None:
+    """The most input characters any one token covers, or None where no such bound holds.
+
+    Each token of a BPE model covers the characters it decodes to, so the longest decoded token bounds them; an
+    unknown-token run fused into one token (a BPE without byte fallback) or a WordPiece word too long for its
+    vocabulary covers any number, so other models get no bound."""
+    model = backend.model
+    if type(model).__name__ != "BPE":
+        return None
+    fused_unknowns = getattr(model, "unk_token", None) is not None and getattr(model, "fuse_unk", False)
+    if fused_unknowns and not getattr(model, "byte_fallback", False):
+        return None
+    texts = backend.decode_batch([[token_id] for token_id in range(vocab_size)], skip_special_tokens=False)
+    longest = max((len(text) for text in texts), default=1)
+    return max(longest, 1) * (_NORMALIZER_MARGIN if backend.normalizer is not None else 1)
 
 
 def _compile_chat_template(source: str, where: str) -> jinja2.Template:

@@ -36,7 +36,11 @@ def read_adapter_dir(path: Path, *, max_weights_bytes: int = DEFAULT_MAX_WEIGHTS
     Refuses a folder holding pickle or Python files (even beside valid files: an upload that ships them is
     not what it claims), and symbolic links for the two files (they could point anywhere on this machine).
     """
-    if not path.is_dir():
+    try:
+        found = path.is_dir()
+    except (OSError, ValueError):  # a name longer than the filesystem allows, a NUL byte
+        found = False
+    if not found:
         raise AdapterFormatError(f"adapter folder {path} does not exist or is not a folder", field=str(path))
     for entry in sorted(path.iterdir()):
         if entry.name.lower().endswith(FORBIDDEN_SUFFIXES):

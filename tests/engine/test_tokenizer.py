@@ -116,7 +116,10 @@ class TestEncodeDecode:
     @settings(max_examples=60, deadline=None)
     @given(text=st.text(max_size=60))
     def test_round_trip_any_text(self, tokenizer: Tokenizer, text: str) -> None:
-        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+        # Special-token strings in the text become their ids (Hypothesis draws them: it mines the code's literals),
+        # which a decode that skips special tokens would drop.
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
 
     @pytest.mark.parametrize("text", ["Hello, world!", "  two  spaces\n\tand tabs", "Grüße, café, 你好 😀👍🏽"])
     def test_round_trip_with_bos(self, tokenizer: Tokenizer, text: str) -> None:
@@ -275,3 +278,45 @@ class TestChatTemplate:
             expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
             ours = Tokenizer.from_dir(folder).apply_chat_template(messages, add_generation_prompt=generation_prompt)
             assert ours == expected
+
+
+# --- the cheap length bound ---------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(min_size=1, max_size=400), num_tokens=st.integers(min_value=0, max_value=120))
+def test_a_text_surely_longer_than_n_tokens_encodes_to_more(tokenizer: Tokenizer, text: str, num_tokens: int) -> None:
+    """The bound is sound: whenever it says a text is too long, tokenizing it agrees (it may say nothing)."""
+    if tokenizer.surely_longer_than(text, num_tokens):
+        assert len(tokenizer.encode(text, add_special_tokens=False)) > num_tokens
+
+
+def test_the_bound_is_the_longest_token_and_catches_a_run_of_it(tokenizer: Tokenizer) -> None:
+    assert tokenizer.max_chars_per_token is not None
+    longest = max((tokenizer.decode([i], skip_special_tokens=False) for i in range(tokenizer.vocab_size)), key=len)
+    assert tokenizer.max_chars_per_token == len(longest)
+    # The worst case for the bound: a text of nothing but the longest token is exactly that many tokens.
+    text = longest * 50
+    assert not tokenizer.surely_longer_than(text, 50)
+    assert tokenizer.surely_longer_than(text + "x", 50)
+
+
+def test_no_bound_where_one_token_may_cover_any_length(demo_folder: Path, tmp_path: Path) -> None:
+    """A WordPiece model maps a word too long for it to one unknown token: no length tells its token count."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    backend = BackendTokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]", max_input_chars_per_word=5))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece = Tokenizer(backend)
+    assert wordpiece.max_chars_per_token is None
+    assert not wordpiece.surely_longer_than("b" * 10_000, 1)
+    assert len(wordpiece.encode("b" * 10_000, add_special_tokens=False)) == 1
+    # A normalizing tokenizer gets a margin: composition can fold several code points into one.
+    folder = _variant(demo_folder, tmp_path)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["normalizer"] = {"type": "NFC"}
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    plain, normalizing = Tokenizer.from_dir(demo_folder), Tokenizer.from_dir(folder)
+    assert plain.max_chars_per_token is not None and normalizing.max_chars_per_token is not None
+    assert normalizing.max_chars_per_token == 4 * plain.max_chars_per_token
