@@ -12,7 +12,9 @@ from litestar import Litestar, Router
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
+from litestar.plugins.pydantic import PydanticPlugin
 
+from loraplex.engine.http_edge import GuardedRequest, refuse_nul_bytes
 from loraplex.platform.dependencies import (
     provide_admin,
     provide_db,
@@ -94,11 +96,23 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
         dependencies={"admin": Provide(provide_admin)},
         security=[{"AdminToken": []}],
     )
+    # Per-tenant series are the deployment's business, not the internet's: scrapes carry the admin credential
+    # (Prometheus' `authorization` with an admin key; decision 0018).
+    operations = Router(
+        path="/",
+        route_handlers=[MetricsController],
+        guards=[require_admin],
+        security=[{"AdminToken": []}],
+    )
     return Litestar(
-        route_handlers=[HealthController, MetricsController, v1, admin],
+        route_handlers=[HealthController, operations, v1, admin],
         lifespan=[lifespan],
         dependencies={"db": Provide(provide_db), "resources": Provide(provide_resources)},
         exception_handlers={Exception: handle_exception},
+        request_class=GuardedRequest,
+        before_request=refuse_nul_bytes,
+        # Bodies are validated strictly, as OpenAI validates them (schemas.RequestBody).
+        plugins=[PydanticPlugin(validate_strict=True)],
         openapi_config=OpenAPIConfig(
             title="loraplex",
             version=_version(),

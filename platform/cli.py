@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import click
 from pydantic import SecretStr
 
-from loraplex.platform.settings import Settings, SettingsError, load_settings
+from loraplex.platform.settings import Settings, SettingsError, load_settings, placeholder_secrets
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -142,7 +142,13 @@ def platform() -> None:
 def platform_serve(host: str | None, port: int | None) -> None:
     """Serve the platform API with the configured database, Redis and object store."""
     _configure_logging()
-    _serve(_settings(host=host, port=port))
+    settings = _settings(host=host, port=port)
+    if settings.profile != "dev" and (names := placeholder_secrets(settings)):
+        raise click.ClickException(
+            f"{', '.join(names)} still hold the placeholder of compose.yaml: put real secrets in a .env file beside "
+            "it (or the environment), or set LORAPLEX_PROFILE=dev for a throwaway deployment"
+        )
+    _serve(settings)
 
 
 @main.group()
@@ -260,6 +266,13 @@ def engine() -> None:
     help="The platform's name of the base model, for the registry; also accepted as `model` (default: the served "
     "model name).",
 )
+@click.option(
+    "--api-key",
+    envvar="LORAPLEX_ENGINE_API_KEY",
+    default=None,
+    help="Require this bearer token on every /v1 route (vLLM's --api-key); the platform sends its "
+    "LORAPLEX_ENGINE_API_KEY. Read from LORAPLEX_ENGINE_API_KEY when not given, which keeps it out of `ps`.",
+)
 def engine_serve(
     model_path: Path,
     host: str,
@@ -288,6 +301,7 @@ def engine_serve(
     engine_id: str | None,
     public_url: str | None,
     base_model_name: str | None,
+    api_key: str | None,
 ) -> None:
     """Serve one model and its LoRA adapters over OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions,
     /v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter); with --redis-url, register it in the fleet."""
@@ -330,6 +344,8 @@ def engine_serve(
         AdapterRoots(roots)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--adapter-root") from None
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("must not be empty", param_hint="--api-key")
     registration = None
     fleet_options = {"--engine-id": engine_id, "--public-url": public_url, "--base-model-name": base_model_name}
     if redis_url is None:
@@ -381,7 +397,15 @@ def engine_serve(
     _configure_logging()
     try:
         asyncio.run(
-            serve(config, host=host, port=port, lora_modules=loras, adapter_roots=roots, registration=registration)
+            serve(
+                config,
+                host=host,
+                port=port,
+                lora_modules=loras,
+                adapter_roots=roots,
+                registration=registration,
+                api_key=api_key,
+            )
         )
     except (CheckpointError, ValueError) as exc:
         # A bad model folder, a context or budget the model and memory cannot honour, or an adapter that cannot be

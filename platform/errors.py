@@ -9,15 +9,37 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
+from types import TracebackType
 from typing import Any
 
+import asyncpg
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from redis.exceptions import RedisError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 logger = logging.getLogger(__name__)
 
 OPENAI_PREFIX = "/v1"
 PROBLEM_JSON = "application/problem+json"
+# What a 503 tells the client to wait before retrying (OpenAI's SDKs honour Retry-After).
+RETRY_AFTER_S = 5
+
+# Postgres SQLSTATEs that say the server is not answering queries now, rather than that the query is wrong:
+# query_canceled (our statement_timeout), admin_shutdown, crash_shutdown, cannot_connect_now; class 08 is
+# connection exceptions.
+_UNAVAILABLE_SQLSTATES = frozenset({"57014", "57P01", "57P02", "57P03"})
+# character_not_in_repertoire, untranslatable_character: text Postgres cannot store (a NUL byte); the edge
+# refuses such text first (schemas.Printable), this is the net under it.
+_UNSTORABLE_TEXT_SQLSTATES = frozenset({"22021", "22P05"})
+_DATABASE_MODULES = ("sqlalchemy", "asyncpg", "aiosqlite", "sqlite3")
+_ASYNCPG_UNAVAILABLE = (
+    asyncpg.exceptions.PostgresConnectionError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    asyncpg.exceptions.InterfaceError,
+)
 
 
 class ApiError(Exception):
@@ -127,6 +149,41 @@ def _validation_details(exc: ValidationException) -> tuple[str, str | None, list
     return text, param, errors
 
 
+def _sqlstate(exc: DBAPIError) -> str | None:
+    state = getattr(exc.orig, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+def _raised_in(exc: BaseException, modules: tuple[str, ...]) -> bool:
+    traceback: TracebackType | None = exc.__traceback__
+    while traceback is not None:
+        name = traceback.tb_frame.f_globals.get("__name__", "")
+        if isinstance(name, str) and name.startswith(modules):
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
+def unavailable_dependency(exc: BaseException) -> str | None:
+    """`database` or `service` when `exc` says a dependency is down, frozen or too slow (refused connections,
+    timeouts, a full pool), else None. Such a request may well succeed later: it answers 503 with Retry-After."""
+    if isinstance(exc, (PoolTimeout, OperationalError, InterfaceError, *_ASYNCPG_UNAVAILABLE)):
+        return "database"
+    if isinstance(exc, DBAPIError):
+        state = _sqlstate(exc)
+        unavailable = exc.connection_invalidated or state in _UNAVAILABLE_SQLSTATES or (state or "").startswith("08")
+        return "database" if unavailable else None
+    if isinstance(exc, OSError):  # ConnectionError and TimeoutError included: asyncpg raises them unwrapped
+        return "database" if _raised_in(exc, _DATABASE_MODULES) else "service"
+    if isinstance(exc, RedisError):
+        return "service"
+    return None
+
+
+def _unstorable_text(exc: BaseException) -> bool:
+    return isinstance(exc, DBAPIError) and _sqlstate(exc) in _UNSTORABLE_TEXT_SQLSTATES
+
+
 def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
     """Render any exception in the shape the path calls for."""
     status_code = 500
@@ -143,7 +200,7 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
             exc.message,
             exc.code,
             exc.param,
-            exc.headers,
+            dict(exc.headers),
         )
     elif isinstance(exc, ValidationException):
         status_code = 400
@@ -160,8 +217,21 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
             code = "method_not_allowed"
         else:
             message = str(exc.detail)
+            code = "invalid_request" if status_code == 400 else None
+    elif (dependency := unavailable_dependency(exc)) is not None:
+        logger.warning("%s %s: the %s is unavailable: %r", request.method, request.url.path, dependency, exc)
+        status_code = 503
+        if dependency == "database":
+            message, code = "The database is unavailable or too slow right now; retry shortly.", "database_unavailable"
+        else:
+            message, code = "A service this request needs is unavailable; retry shortly.", "service_unavailable"
+    elif _unstorable_text(exc):
+        status_code, code = 400, "invalid_request"
+        message = "A text field holds a character that cannot be stored (a NUL byte)."
     else:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    if status_code == 503:
+        headers.setdefault("Retry-After", str(RETRY_AFTER_S))
 
     if openai:
         return openai_error(status_code, message, code=code, param=param, headers=headers)

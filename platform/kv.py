@@ -33,8 +33,10 @@ class KeyValueStore(Protocol):
 class RedisStore:
     """KeyValueStore on Redis: shared by every replica, so writes are seen everywhere at once."""
 
-    def __init__(self, url: str, *, prefix: str) -> None:
-        self._redis: Redis = Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    def __init__(self, url: str, *, prefix: str, timeout_s: float = 2.0) -> None:
+        # Every caller copes with Redis failing (decision 0009's failure policy, the key cache reading the database),
+        # so a frozen Redis should fail fast: `timeout_s` bounds each command and each connect.
+        self._redis: Redis = Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._prefix = prefix
 
     @property
@@ -102,8 +104,8 @@ class MemoryStore:
         self._values.clear()
 
 
-def open_kv_store(redis_url: str | None, *, prefix: str) -> KeyValueStore:
+def open_kv_store(redis_url: str | None, *, prefix: str, timeout_s: float = 2.0) -> KeyValueStore:
     """Redis when a URL is configured, else the in-process substitute."""
     if redis_url is None:
         return MemoryStore()
-    return RedisStore(redis_url, prefix=prefix)
+    return RedisStore(redis_url, prefix=prefix, timeout_s=timeout_s)

@@ -14,9 +14,9 @@ process, so the number of series is bounded by the pairs actually used since the
 That is fine for thousands of active adapters; a deployment with far more should aggregate in its recording rules
 (`sum by (tenant)`), or drop the adapter label at scrape time.
 
-What is served is aggregate numbers only: no names, keys, prompts or prices. The endpoint is unauthenticated, as
-Prometheus scrapes are; it is meant for the deployment's internal network, where the platform's port is not
-public (a public ingress should not route /metrics).
+What is served is aggregate numbers only: no names, keys, prompts or prices, but per tenant, which is still the
+deployment's business: the endpoint needs the admin credential (the app mounts it behind the admin guard; a
+Prometheus job sends an admin key as its bearer token).
 """
 
 from __future__ import annotations

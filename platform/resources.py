@@ -88,13 +88,18 @@ class Resources:
         """Open every connection; raise (after closing what was opened) if any dependency is unusable."""
         hasher = KeyHasher(resolve_secret_key(settings))
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        db_engine = create_engine(settings.effective_database_url, pool_size=settings.database_pool_size)
+        db_engine = create_engine(
+            settings.effective_database_url,
+            pool_size=settings.database_pool_size,
+            statement_timeout_s=settings.database_statement_timeout_s,
+            pool_timeout_s=settings.database_pool_timeout_s,
+        )
         kv: KeyValueStore | None = None
         objects: ObjectStore | None = None
         try:
             if check_migrations:
                 await ensure_at_head(db_engine)
-            kv = open_kv_store(settings.redis_url, prefix=settings.redis_prefix)
+            kv = open_kv_store(settings.redis_url, prefix=settings.redis_prefix, timeout_s=settings.redis_timeout_s)
             await kv.ping()
             objects = open_object_store(settings)
             await objects.check()
@@ -157,7 +162,8 @@ async def _open_fleet(
     if settings.engine_mode == "fleet":
         if not isinstance(kv, RedisStore):
             raise SettingsError("invalid settings: LORAPLEX_ENGINE_MODE=fleet needs LORAPLEX_REDIS_URL (the registry)")
-        return RedisFleet(kv), None
+        api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key is not None else None
+        return RedisFleet(kv, api_key=api_key), None
     name, _ = embedded_model(settings)
     async with sessions() as session:
         registered = await BaseModelRepository(session).get_by_name(name)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from litestar.params import QueryParameter
-from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, StringConstraints, TypeAdapter
+from pydantic import ValidationError as PydanticValidationError
 
 from loraplex.platform.db.pagination import MAX_PAGE_SIZE
 
@@ -18,17 +19,39 @@ def _printable(value: str) -> str:
     return value
 
 
-Name = Annotated[
-    str,
-    StringConstraints(strip_whitespace=True, min_length=1, max_length=200),
-    AfterValidator(_printable),
-]
+# Text that is stored or looked up: printable, so never a NUL byte, which Postgres refuses in text (SQLite would
+# store it; the answer must not depend on the database).
+Printable = AfterValidator(_printable)
+
+# A name given to something, or naming something that exists (a base model, an endpoint, `model`).
+Name = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200), Printable]
 
 
 class RequestBody(BaseModel):
-    """Base of request bodies: unknown fields are an error, as in OpenAI's API."""
+    """Base of request bodies: unknown fields are an error, and types are strict, as in OpenAI's API (`"16"` is not
+    a number, `"yes"` not a boolean, `true` not a temperature); a number is accepted where a float is. The app
+    validates bodies in strict mode (create_app's PydanticPlugin), which overrides any per-field setting: a field
+    whose JSON form is a string of another type (a UUID, a decimal, a timestamp, an enum) is annotated with
+    `from_json_string`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def from_json_string(kind: Any, *, numbers: bool = False) -> BeforeValidator:
+    """Parse a field of type `kind` from its JSON form, a string (and, with `numbers`, a JSON number), as
+    pydantic's lax mode does; anything else goes on to the strict check (`true` is not a UUID)."""
+    adapter: TypeAdapter[Any] = TypeAdapter(kind)
+    accepted: tuple[type, ...] = (str, int, float) if numbers else (str,)
+
+    def parse(value: Any) -> Any:
+        if not isinstance(value, accepted) or isinstance(value, bool):
+            return value
+        try:
+            return adapter.validate_python(value, strict=False)
+        except PydanticValidationError as exc:
+            raise ValueError(exc.errors()[0]["msg"]) from None
+
+    return BeforeValidator(parse)
 
 
 class ObjectList(BaseModel, Generic[T]):

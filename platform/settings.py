@@ -15,6 +15,8 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "LORAPLEX_"
+# What compose.yaml's placeholder secrets start with: `platform serve` refuses them outside the dev profile.
+PLACEHOLDER_PREFIX = "change-me"
 
 _ASYNC_DRIVERS = {
     "postgresql": "postgresql+asyncpg",
@@ -49,11 +51,32 @@ class Settings(BaseSettings):
         description="postgresql://... or sqlite:///...; default: SQLite file `loraplex.db` in the data dir.",
     )
     database_pool_size: int = Field(default=10, ge=1, le=200, description="Connections per process (Postgres).")
+    database_statement_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="Longest one database statement may run while serving (SQLite: wait for a lock); past it the "
+        "request answers 503 with Retry-After. Migrations are not bounded.",
+    )
+    database_pool_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="Longest a request waits for a database connection (a free one from the pool, or a new one's "
+        "connect) before it answers 503 with Retry-After.",
+    )
 
     redis_url: str | None = Field(
         default=None, description="redis://...; default: in-process substitutes (one process only)."
     )
     redis_prefix: str = Field(default="loraplex:", description="Prefix of every Redis key this deployment writes.")
+    redis_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description="Longest one Redis command or connect may take; past it the caller goes on without Redis "
+        "(the key cache reads the database, rate limits follow LORAPLEX_RATELIMIT_FAILURE_POLICY).",
+    )
 
     s3_bucket: str | None = Field(
         default=None, description="Bucket for adapter artifacts; default: a local folder under the data dir."
@@ -82,6 +105,11 @@ class Settings(BaseSettings):
         default=128, ge=1, le=4096, description="Highest LoRA rank an uploaded adapter may have in any module."
     )
 
+    profile: Literal["production", "dev"] = Field(
+        default="production",
+        description="dev: `platform serve` accepts the placeholder secrets of compose.yaml (change-me-...), for a "
+        "throwaway deployment; production refuses to start with them.",
+    )
     admin_token: SecretStr | None = Field(
         default=None,
         description="Bootstrap admin bearer token; `loraplex dev` generates one when unset.",
@@ -123,6 +151,11 @@ class Settings(BaseSettings):
     )
     engine_model: str | None = Field(
         default=None, description="Base model folder for the embedded engine; default: the demo model."
+    )
+    engine_api_key: SecretStr | None = Field(
+        default=None,
+        description="Bearer token the platform sends to fleet engines: the one they were started with "
+        "(`loraplex engine serve --api-key`, or this same variable in the engine's environment).",
     )
     engine_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="Weight and activation dtype of the embedded engine."
@@ -200,6 +233,20 @@ class Settings(BaseSettings):
     def objects_dir(self) -> Path:
         """Root of the local object store (used when no S3 bucket is set)."""
         return self.data_dir / "objects"
+
+
+def placeholder_secrets(settings: Settings) -> list[str]:
+    """The variables holding a placeholder secret (compose.yaml's `change-me-...` defaults)."""
+    values = {
+        "admin_token": settings.admin_token,
+        "secret_key": settings.secret_key,
+        "engine_api_key": settings.engine_api_key,
+    }
+    return [
+        ENV_PREFIX + name.upper()
+        for name, value in values.items()
+        if value is not None and value.get_secret_value().strip().lower().startswith(PLACEHOLDER_PREFIX)
+    ]
 
 
 def normalize_database_url(value: str) -> str:

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 import yaml
+from click.testing import CliRunner
 
-from loraplex.platform.cli import engine_serve
-from loraplex.platform.settings import ENV_PREFIX, Settings, load_settings
+from loraplex.platform.cli import engine_serve, main
+from loraplex.platform.settings import ENV_PREFIX, Settings, load_settings, placeholder_secrets
 
 pytestmark = pytest.mark.unit
 
@@ -71,6 +72,17 @@ def with_defaults(value: str) -> str:
         return ""
 
     return _INTERPOLATION.sub(substitute, value).replace("$$", "$")
+
+
+def service_settings(monkeypatch: pytest.MonkeyPatch, name: str) -> Settings:
+    """The Settings a service's process reads: its environment as compose interpolates it without a .env, and
+    nothing of the host's LORAPLEX_* variables."""
+    for variable in settings_env_names():
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in environment(SERVICES[name]).items():
+        assert value is not None, f"{name}: {variable} has no value"
+        monkeypatch.setenv(variable, with_defaults(value))
+    return load_settings()
 
 
 def depends_on(service: Mapping[str, Any]) -> dict[str, str]:
@@ -174,6 +186,11 @@ class TestPorts:
         mounts = [container_path(volume) for volume in engine["volumes"]]
         assert any(model.startswith(mount.rstrip("/") + "/") for mount in mounts), (model, mounts)
 
+    def test_engine_port_is_published_on_loopback_only(self) -> None:
+        # The platform reaches the engine on the compose network; from outside only this host may.
+        for entry in SERVICES["engine"]["ports"]:
+            assert isinstance(entry, str) and entry.startswith("127.0.0.1:"), entry
+
     def test_published_ports_reads_both_syntaxes(self) -> None:
         service = {"ports": ["127.0.0.1:9000:9000", "8080:80/tcp", {"target": 443, "published": 8443}]}
         assert published_ports(service) == {9000, 80, 443}
@@ -236,25 +253,35 @@ class TestSettingsNames:
 class TestSettingsValues:
     @pytest.mark.parametrize("name", ["migrate", "platform", "engine"])
     def test_environment_with_defaults_is_valid(self, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-        for variable in settings_env_names():
-            monkeypatch.delenv(variable, raising=False)
-        for variable, value in environment(SERVICES[name]).items():
-            assert value is not None, f"{name}: {variable} has no value"
-            monkeypatch.setenv(variable, with_defaults(value))
-        load_settings()  # raises SettingsError naming the bad variable
+        service_settings(monkeypatch, name)  # raises SettingsError naming the bad variable
 
     def test_platform_settings_select_the_shared_services(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        for variable in settings_env_names():
-            monkeypatch.delenv(variable, raising=False)
-        for variable, value in environment(SERVICES["platform"]).items():
-            monkeypatch.setenv(variable, with_defaults(value or ""))
-        settings = load_settings()
+        settings = service_settings(monkeypatch, "platform")
         assert settings.engine_mode == "fleet"
         assert settings.effective_database_url.startswith("postgresql+asyncpg://")
         assert settings.redis_url is not None
         assert settings.s3_endpoint_url == "http://minio:9000"
         assert settings.admin_token is not None
         assert settings.secret_key is not None
+
+    def test_placeholder_secrets_are_refused_unless_the_profile_is_dev(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """`docker compose up` without a .env starts a platform with the placeholders: `platform serve` refuses to
+        serve with them, unless LORAPLEX_PROFILE=dev says the deployment is a throwaway one."""
+        settings = service_settings(monkeypatch, "platform")
+        assert settings.profile == "production"
+        names = {"LORAPLEX_ADMIN_TOKEN", "LORAPLEX_SECRET_KEY", "LORAPLEX_ENGINE_API_KEY"}
+        assert set(placeholder_secrets(settings)) == names
+        result = CliRunner().invoke(main, ["platform", "serve"])
+        assert result.exit_code != 0
+        assert all(name in result.output for name in names), result.output
+        monkeypatch.setenv("LORAPLEX_PROFILE", "dev")
+        assert load_settings().profile == "dev"
+
+    def test_platform_and_engine_share_the_engine_api_key(self) -> None:
+        platform, engine = environment(SERVICES["platform"]), environment(SERVICES["engine"])
+        assert platform["LORAPLEX_ENGINE_API_KEY"] == engine["LORAPLEX_ENGINE_API_KEY"]
+        (option,) = [param for param in engine_serve.params if param.name == "api_key"]
+        assert option.envvar == "LORAPLEX_ENGINE_API_KEY"  # what `engine serve` reads from that environment
 
     def test_with_defaults(self) -> None:
         assert with_defaults("a${X:-b}c${Y-d}") == "abcd"

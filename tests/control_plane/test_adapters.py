@@ -487,7 +487,9 @@ class TestNothingHalfWritten:
 
         monkeypatch.setattr(AsyncSession, "commit", failing_commit)
         response = await upload(api, tenant, two_files(adapters["good"]))
-        assert response.status_code == 500
+        # A dependency gone away is a 503 the client may retry, not a 500.
+        assert response.status_code == 503
+        assert "retry-after" in response.headers
         monkeypatch.undo()
         await assert_nothing_stored(api, resources, sessions, tenant)
 

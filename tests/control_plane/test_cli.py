@@ -97,6 +97,42 @@ def test_serve_refuses_an_unmigrated_database(env: dict[str, str]) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(
+    "placeholder",
+    [
+        {"LORAPLEX_ADMIN_TOKEN": "change-me-admin"},
+        {"LORAPLEX_SECRET_KEY": "change-me-dev-secret-key"},
+        {"LORAPLEX_ENGINE_API_KEY": "Change-Me-engine-key"},
+    ],
+    ids=["admin token", "secret key", "engine key"],
+)
+def test_serve_refuses_compose_placeholders_outside_the_dev_profile(
+    env: dict[str, str], placeholder: dict[str, str]
+) -> None:
+    result = CliRunner(env={**env, **placeholder}).invoke(main, ["platform", "serve", "--port", "1"])
+    assert result.exit_code != 0
+    assert next(iter(placeholder)) in result.output
+    assert "LORAPLEX_PROFILE=dev" in result.output
+    # The dev profile lets it through, to the next check (this database is not migrated).
+    result = CliRunner(env={**env, **placeholder, "LORAPLEX_PROFILE": "dev"}).invoke(
+        main, ["platform", "serve", "--port", "1"]
+    )
+    assert result.exit_code != 0
+    assert "loraplex db upgrade" in result.output
+
+
+@pytest.mark.unit
+def test_engine_serve_refuses_an_empty_api_key(env: dict[str, str], tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    result = CliRunner(env={**env, "LORAPLEX_ENGINE_API_KEY": " "}).invoke(
+        main, ["engine", "serve", "--model", str(model)]
+    )
+    assert result.exit_code != 0
+    assert "--api-key" in result.output
+
+
+@pytest.mark.unit
 def test_create_tenant_refuses_an_unmigrated_database(env: dict[str, str]) -> None:
     result = CliRunner(env=env).invoke(main, ["admin", "create-tenant", "x"])
     assert result.exit_code != 0

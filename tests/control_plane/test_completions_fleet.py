@@ -57,6 +57,9 @@ PROMPT = "Write a long story about a lighthouse keeper and the ships that pass b
 MAX_TOKENS = 12
 HEARTBEAT_TTL_MS = 5000  # the engine's registry key lives this long after its last beat
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+# The engine's --api-key (from LORAPLEX_ENGINE_API_KEY, as compose.yaml gives it), which the platform sends.
+ENGINE_KEY = "engine-key-for-fleet-tests-0123"
+ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
 MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
 
 
@@ -79,6 +82,7 @@ def settings(
         s3_server,
         session_tag,
         engine_mode="fleet",
+        engine_api_key=ENGINE_KEY,
         default_requests_per_minute=100_000,  # rate limits are test_ratelimit.py's; bursts here must pass
     ) as value:
         yield value
@@ -165,6 +169,7 @@ def engine(
         "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
         "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
         "AWS_DEFAULT_REGION": s3_server.region,
+        "LORAPLEX_ENGINE_API_KEY": ENGINE_KEY,
     }
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -278,7 +283,7 @@ def _engine_chat(engine: EngineProcess, lora_adapter: dict[str, str] | None = No
     }
     if lora_adapter is not None:
         request["lora_adapter"] = lora_adapter
-    response = httpx.post(f"{engine.url}/v1/chat/completions", json=request, timeout=60)
+    response = httpx.post(f"{engine.url}/v1/chat/completions", json=request, headers=ENGINE_AUTH, timeout=60)
     assert response.status_code == 200, response.text
     answer: dict[str, Any] = response.json()
     return answer
@@ -408,6 +413,23 @@ def test_the_prefix_cache_is_shared_within_a_tenant_only(
     assert _cached_tokens(other_key, platform) > 0
 
 
+def test_the_engine_answers_only_callers_with_its_key(
+    engine: EngineProcess, tenant: Tenant, settings: Settings
+) -> None:
+    """Anyone who reaches the engine's port could otherwise make it read adapters under its root or load its own:
+    without the shared key every /v1 route is a 401, while the platform (which sends it) is served."""
+    body = {"model": BASE, "messages": MESSAGES, "max_tokens": 1, "lora_adapter": _lora_adapter(tenant, settings)}
+    for path, payload in (
+        ("/v1/chat/completions", body),
+        ("/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": "/tmp"}),
+        ("/v1/unload_lora_adapter", {"lora_name": "mine"}),
+    ):
+        response = httpx.post(f"{engine.url}{path}", json=payload, headers=tenant.headers, timeout=30)
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{engine.url}/healthz", timeout=10).status_code == 200
+
+
 def test_a_tenant_cannot_name_adapter_files_itself(platform: Platform, tenant: Tenant) -> None:
     body = {
         "model": BASE,
@@ -427,7 +449,10 @@ def test_legacy_completions_run_the_adapter_too(
 ) -> None:
     request = {"model": BASE, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     direct = httpx.post(
-        f"{engine.url}/v1/completions", json={**request, "lora_adapter": _lora_adapter(tenant, settings)}, timeout=60
+        f"{engine.url}/v1/completions",
+        json={**request, "lora_adapter": _lora_adapter(tenant, settings)},
+        headers=ENGINE_AUTH,
+        timeout=60,
     )
     assert direct.status_code == 200, direct.text
     answer = tenant.openai(platform).completions.create(
@@ -448,7 +473,7 @@ def test_the_engine_refuses_a_source_outside_its_adapter_root(
     ):
         spec = {**_lora_adapter(tenant, settings), "source": source}
         body = {"model": BASE, "messages": MESSAGES, "max_tokens": 2, "lora_adapter": spec}
-        response = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=30)
+        response = httpx.post(f"{engine.url}/v1/chat/completions", json=body, headers=ENGINE_AUTH, timeout=30)
         assert response.status_code == 400, (source, response.text)
         assert _envelope(response)["code"] == "lora_adapter_source_not_allowed"
 
@@ -891,7 +916,7 @@ def test_a_client_that_goes_away_stops_the_engine_and_is_billed_for_what_it_got(
     engine: EngineProcess, platform: Platform, tenant: Tenant
 ) -> None:
     def engine_state() -> dict[str, Any]:
-        state: dict[str, Any] = httpx.get(f"{engine.url}/v1/state", timeout=10).json()
+        state: dict[str, Any] = httpx.get(f"{engine.url}/v1/state", headers=ENGINE_AUTH, timeout=10).json()
         return state
 
     steps_before = engine_state()["num_steps"]  # one decode step per token: nothing else runs on this engine now

@@ -55,8 +55,8 @@ def total(text: str, name: str, **labels: str) -> float:
 
 
 def scrape(platform: Platform) -> str:
-    """GET /metrics without credentials, as Prometheus does."""
-    response = httpx.get(f"{platform.url}/metrics", timeout=30)
+    """GET /metrics with the admin credential, as a Prometheus job configured with it does."""
+    response = httpx.get(f"{platform.url}/metrics", headers=test_completions.ADMIN, timeout=30)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/plain")
     return response.text
@@ -111,6 +111,20 @@ def test_tokens_and_cache_hits_per_tenant_and_adapter_agree_with_usage(platform:
     assert prompt_total == totals["prompt_tokens"]
     # Aggregates only: ids, never a tenant's or an adapter's name.
     assert "metrics-bot" not in text and '"metrics"' not in text
+
+
+@pytest.mark.integration
+def test_metrics_need_the_admin_credential(platform: Platform) -> None:
+    """Per-tenant series are not for whoever reaches the port: no credential, a tenant's key or a wrong token is
+    a 401, and the body names no tenant."""
+    tenant = platform.make_tenant()
+    complete(platform, tenant, platform.base_model, "count me")
+    for headers in ({}, tenant.headers, {"Authorization": "Bearer not-the-admin-token"}):
+        response = httpx.get(f"{platform.url}/metrics", headers=headers, timeout=30)
+        assert response.status_code == 401, response.text
+        assert response.headers["content-type"].startswith("application/problem+json")
+        assert tenant.id not in response.text
+    assert tenant.id in scrape(platform)
 
 
 @pytest.mark.integration

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, StringConstraints
 
 from loraplex.platform.domain.adapters.models import Adapter, AdapterStatus
-from loraplex.platform.schemas import RequestBody
+from loraplex.platform.schemas import Name, RequestBody
 
 # Like endpoint names: adapter names end up in logs, metrics labels and engine adapter names.
 AdapterName = Annotated[
@@ -23,7 +23,7 @@ class AdapterUploadFields(RequestBody):
     """The text fields of `POST /v1/adapters` (multipart/form-data); the files come as file parts beside them."""
 
     name: AdapterName
-    base_model: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
+    base_model: Name
 
 
 class AdapterOut(BaseModel):

@@ -9,7 +9,7 @@ from pydantic import BaseModel as Schema
 from pydantic import StringConstraints, field_validator
 
 from loraplex.platform.domain.base_models.models import BaseModel, Quantization
-from loraplex.platform.schemas import Name, RequestBody
+from loraplex.platform.schemas import Name, Printable, RequestBody, from_json_string
 
 ModelName = Annotated[
     str,
@@ -37,8 +37,8 @@ class BaseModelOut(Schema):
 
 class BaseModelCreate(RequestBody):
     name: ModelName
-    source: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=1024)]
-    quantization: Quantization | None = None
+    source: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=1024), Printable]
+    quantization: Annotated[Quantization, from_json_string(Quantization)] | None = None
 
     @field_validator("source")
     @classmethod

@@ -15,12 +15,18 @@ from loraplex.platform.domain.base_models.schemas import ModelName
 from loraplex.platform.domain.billing.models import PRICE_PRECISION, PRICE_SCALE, PriceVersion
 from loraplex.platform.domain.billing.rating import MONEY_QUANTUM, GroupBy, Line, line_fields
 from loraplex.platform.domain.billing.service import BillingReport
-from loraplex.platform.schemas import RequestBody
+from loraplex.platform.schemas import RequestBody, from_json_string
 
 # USD per million tokens; a JSON string ("0.15") or number. At most 9 decimals: more is refused, not rounded.
 Price = Annotated[
     Decimal,
-    Field(ge=0, lt=Decimal(10) ** (PRICE_PRECISION - PRICE_SCALE), decimal_places=PRICE_SCALE, allow_inf_nan=False),
+    Field(
+        ge=0,
+        lt=Decimal(10) ** (PRICE_PRECISION - PRICE_SCALE),
+        decimal_places=PRICE_SCALE,
+        allow_inf_nan=False,
+    ),
+    from_json_string(Decimal, numbers=True),
 ]
 
 
@@ -44,7 +50,7 @@ class PriceSet(RequestBody):
         default=None, description="Prompt tokens served from the prefix cache; default a tenth of input_per_mtok."
     )
     output_per_mtok: Price
-    effective_at: datetime | None = Field(
+    effective_at: Annotated[datetime, from_json_string(datetime)] | None = Field(
         default=None,
         description="When the version takes effect (default now; without an offset, UTC). Not before the start of "
         "the base model's latest recorded request: rated usage is never re-rated.",

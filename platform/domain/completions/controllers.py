@@ -32,6 +32,7 @@ from loraplex.platform.domain.completions.service import (
     limits_for,
     new_request_id,
     record_usage,
+    record_usage_soon,
     relay,
     resolve,
     route,
@@ -105,12 +106,26 @@ async def _start(
 async def _complete(
     request: HttpRequest[Any, Any, Any], resources: Resources, principal: TenantPrincipal, body: Request, path: str
 ) -> Response[Any]:
-    call, headers = await _start(resources, principal, body, path)
-    if not body.stream:
-        try:
-            return Response(await _unless_disconnected(request, _collect(resources, call)), headers=headers)
-        finally:
-            await record_usage(resources, call)
+    # Watched from the start: a client that gave up while this request waited (on a slow database, say) has gone
+    # before the engine is asked, and then nothing runs.
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        call, headers = await _start(resources, principal, body, path)
+        if gone.done():
+            await record_usage(resources, call)  # cancelled, zero tokens: the request id is accounted for
+            raise ApiError(STATUS_CLIENT_CLOSED, "The client closed the connection.", code="client_closed")
+        if not body.stream:
+            try:
+                answer = await _unless_disconnected(gone, _collect(resources, call))
+            except BaseException:
+                await record_usage(resources, call)
+                raise
+            record_usage_soon(resources, call)
+            return Response(answer, headers=headers)
+    finally:
+        # A stream is watched by Litestar's Stream from here on: this watcher must not take its messages.
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
     # The engine validates the request before its first event (a prompt too long, a bad parameter): wait for that
     # first event, so such a request is a plain error response, not a 200 whose stream holds an error.
     events = relay(resources, call)
@@ -145,8 +160,8 @@ async def _stream(
     resources: Resources, call: Call, events: AsyncGenerator[dict[str, Any], None], first: dict[str, Any] | None
 ) -> AsyncGenerator[str, None]:
     """SSE to the client: `first` (already taken from `events`), then the rest; an engine failure mid-stream ends
-    it with an error event. Usage is recorded in the finally, shielded, whether the stream ended, failed, or the
-    client went away."""
+    it with an error event. Usage is recorded from the finally, whether the stream ended, failed, or the client
+    went away: in a task of its own, so that a slow database never holds the end of a finished stream back."""
     try:
         if first is not None:  # the engine's first chat chunk carries the role delta
             yield _sse(first)
@@ -160,7 +175,7 @@ async def _stream(
         yield SSE_DONE
     finally:
         await events.aclose()
-        await record_usage(resources, call)
+        record_usage_soon(resources, call)
 
 
 async def _disconnected(request: HttpRequest[Any, Any, Any]) -> None:
@@ -169,20 +184,21 @@ async def _disconnected(request: HttpRequest[Any, Any, Any]) -> None:
         pass
 
 
-async def _unless_disconnected(request: HttpRequest[Any, Any, Any], work: Coroutine[Any, Any, T]) -> T:
-    """Await `work`, cancelling it (which aborts the engine request) if the client goes away first: a client that
-    gave up (a timeout, then a retry) must not leave its generation running to max_tokens."""
+async def _unless_disconnected(gone: asyncio.Future[None], work: Coroutine[Any, Any, T]) -> T:
+    """Await `work`, cancelling it (which aborts the engine request) if the client goes away first (`gone`, the
+    watcher of its connection, completes): a client that gave up (a timeout, then a retry) must not leave its
+    generation running to max_tokens."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    waiting: set[asyncio.Future[Any]] = {task, gone}
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             raise ApiError(STATUS_CLIENT_CLOSED, "The client closed the connection.", code="client_closed")
         return task.result()
     finally:
         task.cancel()
-        watcher.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
+        gone.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
 
 
 def _failed(error: dict[str, Any]) -> ApiError:

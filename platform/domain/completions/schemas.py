@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints, model_validator
+from pydantic import ConfigDict, Field, StringConstraints, model_validator
 
-from loraplex.engine.protocol import ChatMessage
-from loraplex.platform.schemas import RequestBody
+from loraplex.engine.protocol import ChatMessage as EngineChatMessage
+from loraplex.platform.schemas import Name, RequestBody
 
 MAX_STOP = 4
 MAX_MESSAGES = 2048
@@ -19,6 +19,15 @@ MAX_TOKENS = 1_000_000
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=1000)]
 Identifier = Annotated[str, StringConstraints(max_length=256)]
+
+
+class ChatMessage(EngineChatMessage):
+    """The engine's message (a role and text content, as a string or `text` parts), held to OpenAI's fields and
+    types: an unknown field or a non-string name is refused, not passed on."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Identifier | None = None
 
 
 class StreamOptions(RequestBody):
@@ -30,7 +39,7 @@ class ResponseFormat(RequestBody):
 
 
 class _Common(RequestBody):
-    model: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
+    model: Name
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1  # more choices per request are not offered

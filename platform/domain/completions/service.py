@@ -9,7 +9,6 @@ even when the client goes away (billing exactly what was sent).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -132,7 +131,7 @@ def estimate_tokens(body: Request, max_model_len: int = 0) -> int:
     oversized max_tokens would be refused as too large for the rate limit instead of by the engine, with its
     clearer context_length_exceeded."""
     if isinstance(body, ChatCompletionRequest):
-        prompt_chars = sum(len(json.dumps(m.content)) for m in body.messages)
+        prompt_chars = sum(len(m.text()) for m in body.messages)
     else:
         prompt_chars = len(body.prompt) * 4 if isinstance(body.prompt, list) else len(body.prompt)
     estimate = prompt_chars // 4 + (body.limit or 256)
@@ -281,19 +280,38 @@ async def record_usage(resources: Resources, call: Call) -> None:
     """Written whatever happened to the client; shielded so a cancelled request still writes it. Counted in the
     process's metrics here too, once per request, so /metrics counts what is billed."""
     try:
-        event = usage_event(call)
-        resources.metrics.count_usage(event)
-        await asyncio.shield(resources.usage.record(event))
+        await asyncio.shield(resources.usage.record(_counted(resources, call)))
     except asyncio.CancelledError:
         raise
     except Exception:  # the recorder never raises by contract; belt and braces
         logger.exception("usage of %s could not be recorded", call.request_id)
 
 
+def record_usage_soon(resources: Resources, call: Call) -> None:
+    """`record_usage` without waiting for it: for an answer that is complete, which a slow database must not hold
+    back (its client would time out and retry a request already billed)."""
+    try:
+        resources.usage.record_soon(_counted(resources, call))
+    except Exception:  # as above
+        logger.exception("usage of %s could not be recorded", call.request_id)
+
+
+def _counted(resources: Resources, call: Call) -> UsageEvent:
+    """The call's usage event, counted in the process's metrics (once per request: where it is recorded)."""
+    event = usage_event(call)
+    resources.metrics.count_usage(event)
+    return event
+
+
 def engine_error(exc: EngineRequestError | EngineUnavailable) -> ApiError:
     if isinstance(exc, EngineUnavailable):
         return ApiError(503, "The engine serving this model is unavailable; retry shortly.", code="engine_unavailable")
     error = exc.body.get("error") or {}
+    if exc.status_code in (401, 403):
+        # The engine refused the platform itself (LORAPLEX_ENGINE_API_KEY does not match its --api-key): ours to fix,
+        # and the tenant's key must not look wrong.
+        logger.error("an engine refused the platform's credentials: %s", error.get("message"))
+        return ApiError(502, "The engine serving this model refused the request; contact support.", code="engine_auth")
     status = exc.status_code if 400 <= exc.status_code < 500 else 502
     return ApiError(
         status,

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StringConstraints
 
-from loraplex.platform.schemas import RequestBody
+from loraplex.platform.schemas import Name, RequestBody, from_json_string
 
 EndpointName = Annotated[
     str,
@@ -28,8 +28,8 @@ class EndpointDefaults(RequestBody):
 
 class EndpointCreate(RequestBody):
     name: EndpointName
-    base_model: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
-    adapter_id: uuid.UUID | None = None
+    base_model: Name
+    adapter_id: Annotated[uuid.UUID, from_json_string(uuid.UUID)] | None = None
     defaults: EndpointDefaults = Field(default_factory=EndpointDefaults)
 
 

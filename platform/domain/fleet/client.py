@@ -78,7 +78,12 @@ class HttpEngineClient:
     request never reached the engine), so that the fleet can route around a replica that has gone away."""
 
     def __init__(
-        self, base_url: str, *, timeout_s: float = 600.0, on_unreachable: Callable[[], None] | None = None
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        on_unreachable: Callable[[], None] | None = None,
+        api_key: str | None = None,
     ) -> None:
         # No cap on connections: the engine queues and schedules requests itself and announces its queue to the
         # router, where a cap here (httpx's default is 100) would hold requests back unseen, for up to timeout_s.
@@ -86,6 +91,7 @@ class HttpEngineClient:
             base_url=base_url,
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
         self._on_unreachable = on_unreachable
 

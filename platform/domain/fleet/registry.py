@@ -127,10 +127,12 @@ class EmptyFleet:
 
 
 class RedisFleet:
-    """Replicas from the Redis registry; one HTTP client per replica URL."""
+    """Replicas from the Redis registry; one HTTP client per replica URL, sending `api_key` (the engines' shared
+    --api-key) when one is set."""
 
-    def __init__(self, kv: RedisStore) -> None:
+    def __init__(self, kv: RedisStore, *, api_key: str | None = None) -> None:
         self._kv = kv
+        self._api_key = api_key
         self._clients: dict[str, HttpEngineClient] = {}
         self._cached: tuple[float, list[Replica]] = (0.0, [])
         self._unreachable_until: dict[str, float] = {}  # replica URL -> monotonic time its exclusion ends
@@ -173,7 +175,7 @@ class RedisFleet:
                 logger.warning("engine %s (%s) refused a connection; routing around it", replica.id, url)
                 self._unreachable_until[url] = time.monotonic() + UNREACHABLE_S
 
-            client = self._clients[url] = HttpEngineClient(url, on_unreachable=unreachable)
+            client = self._clients[url] = HttpEngineClient(url, on_unreachable=unreachable, api_key=self._api_key)
         return client
 
     def reachable(self, replica: Replica) -> bool:

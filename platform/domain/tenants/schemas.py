@@ -9,7 +9,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, model_validator
 
 from loraplex.platform.domain.tenants.models import Tenant, TenantStatus
-from loraplex.platform.schemas import Name, RequestBody
+from loraplex.platform.schemas import Name, RequestBody, from_json_string
 
 # The rate limit columns of a tenant, as named in `limits` (the same names as the columns).
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "key_requests_per_minute", "key_tokens_per_minute")
@@ -80,7 +80,7 @@ class TenantLimitsPatch(RequestBody):
 
 class TenantPatch(RequestBody):
     name: Name | None = None
-    status: TenantStatus | None = None
+    status: Annotated[TenantStatus, from_json_string(TenantStatus)] | None = None
     limits: TenantLimitsPatch | None = None
 
     @model_validator(mode="after")

@@ -231,6 +231,11 @@ class UsageRecorder:
     def outboxes(self) -> list[UsageOutbox]:
         return list(self._outboxes)
 
+    @property
+    def num_in_flight(self) -> int:
+        """`record` calls running or scheduled (`record_soon`) that have not finished."""
+        return len(self._in_flight)
+
     async def record(self, event: UsageEvent) -> None:
         """Store `event` in the database, or else in an outbox. Never raises (but lets a cancellation through);
         opens its own session, so it is safe to run in `asyncio.shield` after the request's session is gone."""
@@ -242,6 +247,13 @@ class UsageRecorder:
         finally:
             if task is not None:
                 self._in_flight.discard(task)
+
+    def record_soon(self, event: UsageEvent) -> None:
+        """`record` in a task of its own, so that the caller (a response ready to send) never waits on a slow
+        database; `close` waits for it."""
+        task = asyncio.ensure_future(self.record(event))
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
 
     async def _record(self, event: UsageEvent) -> None:
         try:
