@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import asyncpg
 import boto3
+import psutil
 import redis
 import redis.asyncio
 from botocore.config import Config
@@ -327,49 +328,105 @@ def docker_minio() -> Iterator[S3Server]:
 # --- local binaries ----------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def local_postgres(bin_dir: Path | None = None) -> Iterator[PostgresServer]:
-    """Start a throwaway PostgreSQL cluster (trust auth, fsync off) on 127.0.0.1 and a free port."""
-    bin_dir = find_postgres_bin_dir() if bin_dir is None else bin_dir
-    run_as = _postgres_run_as()
-    workdir = Path(tempfile.mkdtemp(prefix="loraplex-pg-"))
-    try:
-        if run_as:
+class PostgresCluster:
+    """A throwaway PostgreSQL cluster (trust auth, fsync off) on 127.0.0.1, in a folder of its own, that a test may
+    stop, start again on the same port, freeze (SIGSTOP on every server process) and thaw. `create()` makes it;
+    `remove()` stops it and deletes the folder.
+
+    `durable_commits`: a commit is acknowledged only once its WAL is written (synchronous_commit on), so that a
+    crash (`stop("immediate")`) loses nothing acknowledged; off, as the shared test server runs, it may."""
+
+    def __init__(self, bin_dir: Path | None = None, *, durable_commits: bool = False) -> None:
+        self._durable_commits = durable_commits
+        self._bin_dir = find_postgres_bin_dir() if bin_dir is None else bin_dir
+        self._run_as = _postgres_run_as()
+        self._workdir = Path(tempfile.mkdtemp(prefix="loraplex-pg-"))
+        self._data_dir = self._workdir / "data"
+        self._log_path = self._workdir / "postgres.log"
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def _pg_ctl(self) -> list[str]:
+        return [*self._run_as, str(self._bin_dir / "pg_ctl"), "-D", str(self._data_dir)]
+
+    def create(self) -> None:
+        """initdb, then start on a free port; raise ServiceUnavailable (with the log's tail) if it cannot."""
+        if self._run_as:
             # initdb refuses root: the cluster belongs to the postgres user, who must own its folder.
             entry = pwd.getpwnam("postgres")
-            os.chown(workdir, entry.pw_uid, entry.pw_gid)
-        data_dir, log_path = workdir / "data", workdir / "postgres.log"
-        initdb_command = [*run_as, str(bin_dir / "initdb"), "-D", str(data_dir), "-U", "postgres"]
+            os.chown(self._workdir, entry.pw_uid, entry.pw_gid)
+        initdb_command = [*self._run_as, str(self._bin_dir / "initdb"), "-D", str(self._data_dir), "-U", "postgres"]
         initdb_command += ["-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"]
-        initdb = subprocess.run(initdb_command, cwd=workdir, capture_output=True, text=True, timeout=120)
+        initdb = subprocess.run(initdb_command, cwd=self._workdir, capture_output=True, text=True, timeout=120)
         if initdb.returncode != 0:
             output = _tail(initdb.stdout + initdb.stderr)
             raise ServiceUnavailable(f"initdb failed ({_POSTGRES_HINT}):\n{output}")
-        pg_ctl = [*run_as, str(bin_dir / "pg_ctl"), "-D", str(data_dir)]
         for _ in range(_START_ATTEMPTS):
-            port = free_port()
-            options = (
-                f"-p {port} -k {workdir} -c listen_addresses=127.0.0.1 "
-                "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
-            )
-            start_command = [*pg_ctl, "-l", str(log_path), "-w", "-t", str(round(STARTUP_TIMEOUT_S))]
-            start_command += ["-o", options, "start"]
-            started = subprocess.run(
-                start_command, cwd=workdir, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S + 30
-            )
-            if started.returncode == 0:
+            self.port = free_port()
+            if self.start(check=False):
                 break
-            logger.warning("postgres did not start on port %d: %s", port, started.stdout + started.stderr)
         else:
-            raise ServiceUnavailable(f"PostgreSQL did not start; its log ends with:\n{_log_tail(log_path)}")
-        logger.info("postgres started on 127.0.0.1:%d in %s", port, workdir)
-        try:
-            yield PostgresServer(url=f"postgresql+asyncpg://postgres@127.0.0.1:{port}/postgres")
-        finally:
-            # Immediate: the cluster is thrown away, so nothing needs a clean shutdown checkpoint.
-            subprocess.run([*pg_ctl, "-m", "immediate", "-w", "stop"], cwd=workdir, capture_output=True, timeout=60)
+            raise ServiceUnavailable(f"PostgreSQL did not start; its log ends with:\n{_log_tail(self._log_path)}")
+        logger.info("postgres started on 127.0.0.1:%d in %s", self.port, self._workdir)
+
+    def start(self, *, check: bool = True) -> bool:
+        """Start the server on `port`; returns whether it started (raises instead when `check`)."""
+        options = (
+            f"-p {self.port} -k {self._workdir} -c listen_addresses=127.0.0.1 -c fsync=off -c full_page_writes=off"
+        )
+        options += "" if self._durable_commits else " -c synchronous_commit=off"
+        command = [*self._pg_ctl, "-l", str(self._log_path), "-w", "-t", str(round(STARTUP_TIMEOUT_S))]
+        command += ["-o", options, "start"]
+        started = subprocess.run(
+            command, cwd=self._workdir, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S + 30
+        )
+        if started.returncode != 0:
+            logger.warning("postgres did not start on port %d: %s", self.port, started.stdout + started.stderr)
+            if check:
+                raise ServiceUnavailable(f"PostgreSQL did not start; its log ends with:\n{_log_tail(self._log_path)}")
+        return started.returncode == 0
+
+    def stop(self, mode: str = "immediate") -> None:
+        """Stop the server (pg_ctl's mode: immediate, fast or smart); its clients' connections are cut."""
+        subprocess.run([*self._pg_ctl, "-m", mode, "-w", "stop"], cwd=self._workdir, capture_output=True, timeout=60)
+
+    def _server_pids(self) -> list[int]:
+        pid_file = self._data_dir / "postmaster.pid"
+        postmaster = int(pid_file.read_text().split()[0])
+        return [postmaster, *(child.pid for child in psutil.Process(postmaster).children(recursive=True))]
+
+    def freeze(self) -> None:
+        """SIGSTOP the postmaster and every backend: connections stay open and nothing answers, as on a host that
+        hangs. Connections opened while frozen wait in the listen queue."""
+        for pid in self._server_pids():
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in self._server_pids():
+            os.kill(pid, signal.SIGCONT)
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError, ValueError, IndexError, psutil.Error):
+            self.thaw()  # a frozen server ignores the stop request
+        with contextlib.suppress(subprocess.SubprocessError):
+            self.stop()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_postgres(bin_dir: Path | None = None) -> Iterator[PostgresServer]:
+    """Start a throwaway PostgreSQL cluster (trust auth, fsync off) on 127.0.0.1 and a free port."""
+    cluster = PostgresCluster(bin_dir)
+    try:
+        cluster.create()
+        yield PostgresServer(url=cluster.url)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        # Immediate: the cluster is thrown away, so nothing needs a clean shutdown checkpoint.
+        cluster.remove()
 
 
 def _postgres_run_as() -> list[str]:
@@ -391,30 +448,65 @@ def _postgres_run_as() -> list[str]:
     return [runuser, "-u", "postgres", "--"]
 
 
+class RedisProcess:
+    """A throwaway redis-server (no persistence) on 127.0.0.1 that a test may stop, start again on the same port,
+    freeze (SIGSTOP) and thaw. `start()` on a fresh instance picks a free port; `remove()` stops it for good."""
+
+    def __init__(self, server_bin: Path | None = None) -> None:
+        self._server_bin = find_redis_server() if server_bin is None else server_bin
+        self._workdir = Path(tempfile.mkdtemp(prefix="loraplex-redis-"))
+        self._log_path = self._workdir / "redis.log"
+        self._process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Start on `port` (a free one the first time); raise ServiceUnavailable with the log's tail if it cannot."""
+        for _ in range(1 if self.port else _START_ATTEMPTS):
+            port = self.port or free_port()
+            command = [str(self._server_bin), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+            command += ["--appendonly", "no", "--dir", str(self._workdir), "--daemonize", "no"]
+            process = _spawn(command, self._workdir, self._log_path)
+            if _wait_until(process, functools.partial(redis_answers, port), STARTUP_TIMEOUT_S):
+                self._process, self.port = process, port
+                logger.info("redis started on 127.0.0.1:%d", port)
+                return
+            _stop(process)
+        raise ServiceUnavailable(f"redis-server did not start; its log ends with:\n{_log_tail(self._log_path)}")
+
+    def stop(self) -> None:
+        """Stop the server (its data is gone: nothing is persisted)."""
+        if self._process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._process.send_signal(signal.SIGCONT)
+            _stop(self._process)
+            self._process = None
+
+    def freeze(self) -> None:
+        assert self._process is not None
+        self._process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self._process is not None
+        self._process.send_signal(signal.SIGCONT)
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def local_redis(server_bin: Path | None = None) -> Iterator[RedisServer]:
     """Start a throwaway redis-server (no persistence) on 127.0.0.1 and a free port."""
-    server_bin = find_redis_server() if server_bin is None else server_bin
-    workdir = Path(tempfile.mkdtemp(prefix="loraplex-redis-"))
-    log_path = workdir / "redis.log"
+    process = RedisProcess(server_bin)
     try:
-        for _ in range(_START_ATTEMPTS):
-            port = free_port()
-            command = [str(server_bin), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-            command += ["--appendonly", "no", "--dir", str(workdir), "--daemonize", "no"]
-            process = _spawn(command, workdir, log_path)
-            if _wait_until(process, functools.partial(_redis_answers, port), STARTUP_TIMEOUT_S):
-                break
-            _stop(process)
-        else:
-            raise ServiceUnavailable(f"redis-server did not start; its log ends with:\n{_log_tail(log_path)}")
-        logger.info("redis started on 127.0.0.1:%d", port)
-        try:
-            yield RedisServer(url=f"redis://127.0.0.1:{port}/0")
-        finally:
-            _stop(process)
+        process.start()
+        yield RedisServer(url=process.url)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        process.remove()
 
 
 @contextlib.contextmanager
@@ -520,7 +612,8 @@ def _s3_answers(client: S3Client) -> bool:
     return True
 
 
-def _redis_answers(port: int) -> bool:
+def redis_answers(port: int) -> bool:
+    """Whether a Redis server answers PING on 127.0.0.1:`port` within a second."""
     # redis-py retries a refused connection with backoff by default: seconds per probe of a dead server.
     client = redis.Redis(
         host="127.0.0.1",
