@@ -23,7 +23,7 @@ from loraplex.platform.domain.completions.service import engine_error
 from loraplex.platform.domain.fleet.client import EngineRequestError
 
 from . import test_completions
-from .test_completions import ADMIN, ENDPOINT, Owner, Platform, envelope
+from .test_completions import ADMIN, ENDPOINT, Owner, Platform, envelope, poll
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +85,12 @@ def test_text_parts_are_the_same_conversation_as_strings_streamed_and_not(platfo
         deltas = [event.delta for event in stream if event.type == "content.delta"]
         final = stream.get_final_completion()
     assert "".join(deltas) == final.choices[0].message.content == stopped.choices[0].message.content
-    rows = {row["request_id"]: row for row in platform.usage_rows(owner.tenant)}
+    # Each usage row is written once its answer has been sent: wait for the last one.
+    rows = poll(
+        lambda: (
+            found if final.id in (found := {r["request_id"]: r for r in platform.usage_rows(owner.tenant)}) else None
+        )
+    )
     assert rows[parts.id]["prompt_tokens"] == plain.usage.prompt_tokens
     assert rows[final.id]["prompt_tokens"] == plain.usage.prompt_tokens
 
