@@ -26,7 +26,8 @@ setup(
     package_dir=package_dir,
     package_data={
         "loraplex.platform": ["py.typed", "**/*.html", "**/*.css", "**/*.js"],
-        "loraplex.engine": ["py.typed", "*.txt"],
+        "loraplex.engine": ["py.typed"],
+        "loraplex.engine.tools": ["*.txt"],
         "loraplex.kernels": ["py.typed"],
         "loraplex.migrations": ["script.py.mako", "versions/*.py"],
     },

@@ -48,14 +48,14 @@ from engine_throughput import (
 )
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.demo import BENCHMARK_SPEC, write_random_model
-from loraplex.engine.model import LlamaModel
-from loraplex.engine.model_config import ModelConfig
-from loraplex.engine.quant_linear import addmm, linear
+from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.llama import LlamaModel
+from loraplex.engine.model.quant_linear import addmm, linear
+from loraplex.engine.tools.demo import BENCHMARK_SPEC, write_random_model
 
 RESULTS = Path(__file__).parent / "results" / "decode_profile.json"
 ROWS = (1, 16, 37, 64, 128)
-LM_HEAD_SLICE = 2048  # engine/model.py's _LM_HEAD_SLICE
+LM_HEAD_SLICE = 2048  # engine/model/llama.py's _LM_HEAD_SLICE
 
 
 def _seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from loraplex.engine import LLM, SamplingParams
-from loraplex.engine.demo import BENCHMARK_SPEC, write_random_model
-from loraplex.engine.model_config import ModelConfig
+from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.tools.demo import BENCHMARK_SPEC, write_random_model
 
 RESULTS = Path(__file__).parent / "results" / "engine_throughput.json"
 NUM_REQUESTS = 64

@@ -38,7 +38,7 @@ from engine_throughput import NUM_REQUESTS, make_workload
 
 RESULTS = Path(__file__).parent / "results" / "lora_slab_probe.json"
 HIDDEN, Q, KV, INTER, LAYERS = 512, 512, 256, 1408, 8
-# group -> (input width, ((module, output width), ...)), as engine/adapter_layout.py groups them
+# group -> (input width, ((module, output width), ...)), as engine/lora/layout.py groups them
 GROUPS = {
     "qkv": (HIDDEN, (("q", Q), ("k", KV), ("v", KV))),
     "o": (Q, (("o", HIDDEN),)),
@@ -165,7 +165,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(1)  # what the engine uses for decode-sized LoRA (engine/lora_batch.py)
+    torch.set_num_threads(1)  # what the engine uses for decode-sized LoRA (engine/lora/batch.py)
 
     owners = lora_throughput.popularity()
     rank_of_adapter = dict(enumerate(lora_throughput.adapter_ranks()))

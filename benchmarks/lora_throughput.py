@@ -34,11 +34,11 @@ import torch
 from engine_throughput import NUM_REQUESTS, Workload, make_workload
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.adapter_layout import layout_adapter
-from loraplex.engine.demo import BENCHMARK_SPEC, write_random_model
-from loraplex.engine.demo_adapter import write_random_adapter
 from loraplex.engine.lora import parse_adapter, read_adapter_dir
-from loraplex.engine.model_config import ModelConfig
+from loraplex.engine.lora.layout import layout_adapter
+from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.tools.demo import BENCHMARK_SPEC, write_random_model
+from loraplex.engine.tools.demo_adapter import write_random_adapter
 
 RESULTS = Path(__file__).parent / "results" / "lora_throughput.json"
 NUM_ADAPTERS = 32

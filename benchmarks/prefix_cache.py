@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from loraplex.engine import SamplingParams
-from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.demo import BENCHMARK_SPEC, write_random_model
+from loraplex.engine.core.config import EngineConfig
+from loraplex.engine.serve.async_engine import AsyncEngine
+from loraplex.engine.tools.demo import BENCHMARK_SPEC, write_random_model
 
 RESULTS = Path(__file__).parent / "results" / "prefix_cache.json"
 NUM_TENANTS = 4

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine import LLM, SamplingParams
-from loraplex.engine.demo import BOS_TOKEN, END_OF_TEXT_TOKEN
+from loraplex.engine.tools.demo import BOS_TOKEN, END_OF_TEXT_TOKEN
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "quant_quality.json"

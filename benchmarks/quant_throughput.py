@@ -31,8 +31,8 @@ from engine_throughput import Workload, make_workload
 from lora_throughput import NUM_ADAPTERS, make_adapters, popularity
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.demo import BENCHMARK_SPEC, write_random_model
-from loraplex.engine.model_config import ModelConfig
+from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.tools.demo import BENCHMARK_SPEC, write_random_model
 
 RESULTS = Path(__file__).parent / "results" / "quant_throughput.json"
 

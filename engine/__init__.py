@@ -9,23 +9,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from loraplex.engine.adapter_ref import LoRARequest
-    from loraplex.engine.async_engine import AsyncEngine
-    from loraplex.engine.config import EngineConfig
-    from loraplex.engine.llm import LLM
-    from loraplex.engine.outputs import CompletionOutput, RequestOutput
-    from loraplex.engine.sampling_params import SamplingParams
+    from loraplex.engine.core.config import EngineConfig
+    from loraplex.engine.core.outputs import CompletionOutput, RequestOutput
+    from loraplex.engine.core.sampling_params import SamplingParams
+    from loraplex.engine.lora.ref import LoRARequest
+    from loraplex.engine.serve.async_engine import AsyncEngine
+    from loraplex.engine.serve.llm import LLM
 
 __all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 _WHERE = {
-    "LLM": "loraplex.engine.llm",
-    "LoRARequest": "loraplex.engine.adapter_ref",
-    "AsyncEngine": "loraplex.engine.async_engine",
-    "EngineConfig": "loraplex.engine.config",
-    "CompletionOutput": "loraplex.engine.outputs",
-    "RequestOutput": "loraplex.engine.outputs",
-    "SamplingParams": "loraplex.engine.sampling_params",
+    "LLM": "loraplex.engine.serve.llm",
+    "LoRARequest": "loraplex.engine.lora.ref",
+    "AsyncEngine": "loraplex.engine.serve.async_engine",
+    "EngineConfig": "loraplex.engine.core.config",
+    "CompletionOutput": "loraplex.engine.core.outputs",
+    "RequestOutput": "loraplex.engine.core.outputs",
+    "SamplingParams": "loraplex.engine.core.sampling_params",
 }
 
 

@@ -309,12 +309,12 @@ def engine_serve(
 
     import torch
 
-    from loraplex.engine.adapter_ref import S3_SCHEME, LoRARequest
-    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.core.config import EngineConfig
     from loraplex.engine.errors import CheckpointError
-    from loraplex.engine.lora_registry import AdapterRoots
-    from loraplex.engine.registration import RegistrationConfig, default_engine_id, default_public_url
-    from loraplex.engine.server import serve
+    from loraplex.engine.lora.ref import S3_SCHEME, LoRARequest
+    from loraplex.engine.serve.lora_registry import AdapterRoots
+    from loraplex.engine.serve.registration import RegistrationConfig, default_engine_id, default_public_url
+    from loraplex.engine.serve.server import serve
     from loraplex.platform.settings import parse_memory_budget
 
     if kv_budget is not None and gpu_memory_utilization is not None:
@@ -426,7 +426,7 @@ def engine_demo_model(path: Path, size: str) -> None:
     """Write a random Llama checkpoint with a real tokenizer into PATH (no download needed)."""
     import dataclasses
 
-    from loraplex.engine.demo import BENCHMARK_SPEC, DEMO_SPEC, write_random_model
+    from loraplex.engine.tools.demo import BENCHMARK_SPEC, DEMO_SPEC, write_random_model
 
     if path.exists() and any(path.iterdir()):
         raise click.ClickException(f"{path} is not empty")
@@ -442,9 +442,9 @@ def engine_demo_model(path: Path, size: str) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 def engine_demo_adapter(path: Path, model_path: Path, rank: int, seed: int) -> None:
     """Write a random LoRA adapter for MODEL into PATH, in PEFT's format (all linear layers)."""
-    from loraplex.engine.demo_adapter import write_random_adapter
     from loraplex.engine.errors import CheckpointError
-    from loraplex.engine.model_config import ModelConfig
+    from loraplex.engine.model.config import ModelConfig
+    from loraplex.engine.tools.demo_adapter import write_random_adapter
 
     if path.exists() and any(path.iterdir()):
         raise click.ClickException(f"{path} is not empty")

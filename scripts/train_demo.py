@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.engine.demo import (
+from loraplex.engine.tools.demo import (
     BOS_TOKEN,
     DEFAULT_CHAT_TEMPLATE,
     END_OF_TEXT_TOKEN,
@@ -201,7 +201,7 @@ def first_sentence(text: str) -> str:
 
 
 def train_tokenizer(documents: list[Document], qas: list[QA]) -> Any:
-    """A byte-level BPE in engine/demo.py's conventions (special ids 0-3, BOS added by the post-processor).
+    """A byte-level BPE in engine/tools/demo.py's conventions (special ids 0-3, BOS added by the post-processor).
 
     It is trained on every block in both cases, so that upper-case words get merges of their own: without them an
     upper-case answer is spelled a letter or two a token, which a 4M-parameter model does badly.
@@ -237,7 +237,8 @@ def train_tokenizer(documents: list[Document], qas: list[QA]) -> Any:
 
 
 def write_model_files(folder: Path, backend: Any) -> None:
-    """tokenizer.json, tokenizer_config.json, config.json and generation_config.json, as engine/demo.py writes them."""
+    """tokenizer.json, tokenizer_config.json, config.json and generation_config.json, as engine/tools/demo.py
+    writes them."""
     folder.mkdir(parents=True, exist_ok=True)
     backend.save(str(folder / "tokenizer.json"))
     ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
@@ -573,7 +574,7 @@ def build(out: Path, seed: int, threads: int) -> None:
     import torch
     import transformers
 
-    from loraplex.engine.tokenizer import Tokenizer
+    from loraplex.engine.model.tokenizer import Tokenizer
 
     torch.set_num_threads(threads)
     started = time.monotonic()
@@ -679,7 +680,7 @@ def check(out: Path) -> list[str]:
         problems.append("config.json differs from the model this script trains")
     tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     if tokenizer_config.get("chat_template") != DEFAULT_CHAT_TEMPLATE:
-        problems.append("tokenizer_config.json's chat template is not engine/demo.py's DEFAULT_CHAT_TEMPLATE")
+        problems.append("tokenizer_config.json's chat template is not engine/tools/demo.py's DEFAULT_CHAT_TEMPLATE")
     for name in ADAPTERS:
         adapter = json.loads((out / "adapters" / name / "adapter_config.json").read_text(encoding="utf-8"))
         wanted = {"r": LORA_RANK, "lora_alpha": LORA_ALPHA, "base_model_name_or_path": BASE_MODEL_NAME}

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
+from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.lora import parse_adapter, read_adapter_dir
-from loraplex.engine.model_config import ModelConfig
-from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.model.config import ModelConfig
 
 pytestmark = pytest.mark.unit
 

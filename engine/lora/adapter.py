@@ -24,8 +24,8 @@ from loraplex.engine.lora.errors import (
     shorten,
 )
 from loraplex.engine.lora.safetensors_format import TensorInfo, load_tensors, parse_safetensors
-from loraplex.engine.model_config import ModelConfig
-from loraplex.engine.rope import interleave_rotary_rows
+from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.rope import interleave_rotary_rows
 
 # adapter_digest and read_adapter_dir live in adapter_files; they are part of this module's API too.
 __all__ = [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loraplex.engine.model_config import ModelConfig
+from loraplex.engine.model.config import ModelConfig
 
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

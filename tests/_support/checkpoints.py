@@ -48,7 +48,7 @@ def make_checkpoint(path: Path, variant: str, *, dtype: torch.dtype = torch.floa
         Qwen2ForCausalLM,
     )
 
-    from loraplex.engine.demo import write_tokenizer
+    from loraplex.engine.tools.demo import write_tokenizer
 
     spec = dict(VARIANTS[variant])
     arch = spec.pop("arch")

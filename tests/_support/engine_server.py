@@ -13,8 +13,8 @@ import torch
 import uvicorn
 from litestar import Litestar
 
-from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.config import EngineConfig
+from loraplex.engine.core.config import EngineConfig
+from loraplex.engine.serve.async_engine import AsyncEngine
 
 
 @contextlib.contextmanager

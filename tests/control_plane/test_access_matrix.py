@@ -33,7 +33,7 @@ from safetensors.torch import save as save_safetensors
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
-from loraplex.engine.model_config import ModelConfig
+from loraplex.engine.model.config import ModelConfig
 from loraplex.platform.app import create_app
 from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.domain.usage.recorder import UsageEvent

@@ -28,7 +28,7 @@ from _support.services import PostgresServer, RedisServer, S3Server
 from litestar import Litestar
 
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
-from loraplex.engine.tokenizer import Tokenizer
+from loraplex.engine.model.tokenizer import Tokenizer
 from loraplex.platform.app import create_app
 from loraplex.platform.resources import Resources
 from loraplex.platform.settings import Settings

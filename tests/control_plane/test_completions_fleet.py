@@ -6,8 +6,8 @@ One engine process, one platform server and one tenant (with an endpoint over a 
 module. The tests run in file order and share that state; the last one kills the engine, so it stays last.
 
 A second replica, where one is needed, is a stub engine in this process: it records what the platform sent it and
-answers one canned chunk, and the test writes its registry entry (as engine/registration.py would) until its heartbeat
-is meant to stop. The router's balancing rules are also checked on their own, over a fixed list of replicas.
+answers one canned chunk, and the test writes its registry entry (as engine/serve/registration.py would) until its
+heartbeat is meant to stop. The router's balancing rules are also checked on their own, over a fixed list of replicas.
 """
 
 from __future__ import annotations
@@ -596,7 +596,7 @@ def stub_engine() -> Iterator[StubEngine]:
 
 
 class Heartbeat:
-    """Writes one replica's registry entry every second with engine/registration.py's keys and expiry."""
+    """Writes one replica's registry entry every second with engine/serve/registration.py's keys and expiry."""
 
     def __init__(self, redis_url: str, prefix: str, record: Callable[[], dict[str, Any]]) -> None:
         self._client = redis.Redis.from_url(redis_url)

@@ -10,9 +10,9 @@ import logging
 import time
 from pathlib import Path
 
-from loraplex.engine.adapter_manager import AdapterState
-from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.config import QUANTIZATIONS, EngineConfig, QuantizationName
+from loraplex.engine.core.config import QUANTIZATIONS, EngineConfig, QuantizationName
+from loraplex.engine.lora.manager import AdapterState
+from loraplex.engine.serve.async_engine import AsyncEngine
 from loraplex.platform.domain.fleet.client import InProcessEngineClient
 from loraplex.platform.domain.fleet.registry import LocalFleet, Replica
 from loraplex.platform.settings import Settings, parse_memory_budget
@@ -63,7 +63,7 @@ def adapter_roots(settings: Settings) -> list[str]:
 async def start_embedded_fleet(
     settings: Settings, quantization: QuantizationName | None = None
 ) -> tuple[LocalFleet, AsyncEngine, str, Path]:
-    from loraplex.engine.server import create_engine_app
+    from loraplex.engine.serve.server import create_engine_app
 
     name, path = embedded_model(settings)
     config = EngineConfig(

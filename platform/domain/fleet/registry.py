@@ -1,6 +1,6 @@
 """The fleet: engine replicas the platform can send work to, and the choice of one per request.
 
-Replicas announce themselves in Redis (engine/registration.py writes `{prefix}fleet:engine:{id}` every second
+Replicas announce themselves in Redis (engine/serve/registration.py writes `{prefix}fleet:engine:{id}` every second
 with a 5 s expiry and adds the id to `{prefix}fleet:engines`); a replica whose key expired has missed its
 heartbeats and is dropped. In the embedded mode the one in-process engine is the fleet.
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from loraplex.engine.model_config import ModelConfig
+from loraplex.engine.model.config import ModelConfig
 
 NUM_LAYERS = 3
 

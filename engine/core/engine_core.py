@@ -1,0 +1,335 @@
+"""EngineCore: one model, one page pool, one scheduler. `step()` is schedule, run, postprocess.
+
+Not thread-safe: one thread drives it (LLM does so directly, AsyncEngine from its engine thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from loraplex.engine.core.config import EngineConfig
+from loraplex.engine.core.output_processor import OutputProcessor
+from loraplex.engine.core.outputs import RequestOutput
+from loraplex.engine.core.request import Request, RequestStatus
+from loraplex.engine.core.runner import ModelRunner
+from loraplex.engine.core.sampler import Sampler, SamplingMetadata
+from loraplex.engine.core.sampling_params import SamplingParams
+from loraplex.engine.core.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.errors import ContextLengthExceeded, RequestError
+from loraplex.engine.lora.batch import LoraCompute
+from loraplex.engine.lora.manager import AdapterEntry, AdapterManager, AdapterManagerConfig
+from loraplex.engine.lora.ref import AdapterRef, LoRARequest
+from loraplex.engine.memory.kv_cache import KVCacheManager
+from loraplex.engine.memory.page_pool import PagePool, PoolUsage
+from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.llama import LlamaModel
+from loraplex.engine.model.tokenizer import Tokenizer
+from loraplex.engine.model.weights import CheckpointTensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What the platform's router reads: load and free capacity."""
+
+    num_waiting: int
+    num_running: int
+    pool: PoolUsage
+    num_preemptions: int
+    num_steps: int
+    prefix_cache_blocks: int = 0  # full blocks the prefix cache knows (in use or evictable)
+    prefix_cache_queried_tokens: int = 0  # prompt tokens of admitted requests, since start
+    prefix_cache_hit_tokens: int = 0  # of those, served from the cache
+    weight_bytes: int = 0  # the model's weights as kept (quantized ones with their scales)
+    quantization: str | None = None  # None, "int8" or "int4" (quantized at load), "gptq" or "awq" (as stored)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = config.resolve_device()
+        path = Path(config.model)
+        self.model_config = ModelConfig.from_dir(path)
+        self.tokenizer = Tokenizer.from_dir(path)
+        self.dtype = config.resolve_dtype(self.model_config.torch_dtype, self.device)
+        self.max_model_len = self._resolve_max_model_len()
+        self.served_model_name = config.served_model_name or path.name
+
+        started = time.perf_counter()
+        self.model = LlamaModel(
+            self.model_config,
+            dtype=self.dtype,
+            device=self.device,
+            max_positions=self.max_model_len,
+            quantization=config.quantization,
+        )
+        self.model.load(CheckpointTensors(path))
+        self.weight_bytes = self.model.weight_bytes()
+        logger.info(
+            "loaded %s (%s, weights %s, %.1f M parameters, %.1f MiB) in %.1f s",
+            path,
+            self.dtype,
+            self.model.quantization_label or "unquantized",
+            self.model_config.num_parameters() / 1e6,
+            self.weight_bytes / 2**20,
+            time.perf_counter() - started,
+        )
+
+        self.pool = self._create_pool()
+        c = self.model_config
+        kv_caches = [self.pool.kv_layer(i, c.num_kv_heads, config.block_size, c.head_dim) for i in range(c.num_layers)]
+        self.kv = KVCacheManager(self.pool, config.block_size, prefix_caching=config.enable_prefix_caching)
+        self.adapters = AdapterManager(
+            self.pool,
+            self.model_config,
+            AdapterManagerConfig(
+                max_loras=config.max_loras,
+                max_rank=config.max_lora_rank,
+                host_budget_bytes=config.lora_host_budget,
+                s3_endpoint_url=config.s3_endpoint_url,
+                s3_region=config.s3_region,
+                s3_access_key_id=config.s3_access_key_id,
+                s3_secret_access_key=config.s3_secret_access_key,
+            ),
+            reserved_pages=-(-self.max_model_len // config.block_size),
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                watermark_pages=max(1, self.pool.num_pages // 100),
+                max_adapters_per_batch=config.max_adapters_per_batch,
+            ),
+            self.kv,
+            self.adapters,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            kv_caches,
+            block_size=config.block_size,
+            device=self.device,
+            lora=LoraCompute(self.adapters, self.device),
+        )
+        self.sampler = Sampler()
+        self.eos_token_ids = self.tokenizer.eos_token_ids | self.model_config.eos_token_ids
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self._default_generator = torch.Generator(device=self.device)
+        self._default_generator.manual_seed(config.seed)
+
+    def _resolve_max_model_len(self) -> int:
+        c = self.model_config
+        limit = c.max_position_embeddings
+        if c.sliding_window is not None:
+            # No sliding-window attention here: cap the context where full attention is still exact.
+            limit = min(limit, c.sliding_window)
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit}")
+        return self.config.max_model_len
+
+    def _create_pool(self) -> PagePool:
+        c = self.model_config
+        block_size = self.config.block_size
+        page_elems = 2 * c.num_kv_heads * block_size * c.head_dim
+        page_bytes = c.num_layers * page_elems * torch.empty(0, dtype=self.dtype).element_size()
+        budget = self.config.kv_budget
+        if isinstance(budget, float):
+            if self.device.type == "cuda":
+                free = torch.cuda.mem_get_info(self.device)[0]
+            else:
+                free = psutil.virtual_memory().available
+            budget = int(free * budget)
+        num_pages = budget // page_bytes
+        needed = -(-self.max_model_len // block_size)
+        if num_pages < needed:
+            raise ValueError(
+                f"the KV budget holds {num_pages * block_size} tokens but one request may need {self.max_model_len}: "
+                "raise kv_budget or lower max_model_len"
+            )
+        logger.info("page pool: %d pages of %d KiB (%d tokens)", num_pages, page_bytes // 1024, num_pages * block_size)
+        return PagePool(
+            num_pages=num_pages,
+            num_layers=c.num_layers,
+            page_elems=page_elems,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    # --- requests ------------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        lora: AdapterRef | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate and queue a request; raises RequestError (ContextLengthExceeded) for bad input. With `lora`,
+        the request waits (not fails) while its adapter loads; a failed load finishes it with an error.
+
+        `cache_salt` keeps the request's prefix-cache blocks apart from those of requests with another salt (the
+        platform gives each tenant its own); the adapter's digest does the same between adapters."""
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        room = self.check_request(prompt_token_ids, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            max_tokens=min(params.max_tokens or room, room),
+            prompt=prompt,
+            generator=generator,
+            adapter=self.adapters.request(lora) if lora is not None else None,
+            cache_salt=cache_salt,
+        )
+        if request.adapter is not None:
+            request.adapter.num_requests += 1
+        self.requests[request_id] = request
+        self.outputs.add(request)
+        self.scheduler.add(request)
+        return request
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise RequestError if the request can never run; return how many tokens it may generate at most.
+
+        Reads only immutable state, so any thread may call it.
+        """
+        if not prompt_token_ids:
+            raise RequestError("the prompt must contain at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        num_prompt = len(prompt_token_ids)
+        room = self.max_model_len - num_prompt
+        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+            asked = num_prompt + (params.max_tokens or 0)
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{asked} tokens ({num_prompt} in the prompt, {params.max_tokens or 0} for the completion). "
+                "Please reduce the length of the prompt or the completion."
+            )
+        return room
+
+    def check_prompt_text(self, text: str, param: str = "prompt") -> None:
+        """Raise ContextLengthExceeded if `text` is surely too long for the context, told from its length alone, so
+        that a prompt megabytes long is refused before it is tokenized. Reads only immutable state."""
+        if self.tokenizer.surely_longer_than(text, self.max_model_len - 1):
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt is "
+                f"{len(text)} characters long, more than that many tokens can hold. Please reduce the length of the "
+                "prompt.",
+                param=param,
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and give back all its pages; returns its final output (None if unknown)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._finalize(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step ------------------------------------------------------------------------------------------------
+
+    def resolve_lora(self, lora: LoRARequest) -> AdapterRef:
+        """Name and content digest of an adapter (reads its files to hash them; any thread may call it)."""
+        return self.adapters.resolve(lora.name, lora.path)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; outputs of every request that got a new token or finished."""
+        outputs = self._fail_requests_of(self.adapters.poll())
+        sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
+        if sched.is_empty:
+            if not outputs and self.scheduler.waiting:
+                self.adapters.wait_for_loads(timeout=0.01)  # nothing runnable: the queue waits on adapter loads
+            return outputs
+        prepared = self.runner.prepare(sched)
+        logits = self.runner.execute(prepared)
+        for scheduled in sched.scheduled:
+            scheduled.request.num_computed_tokens += scheduled.num_new_tokens
+            self.kv.cache_computed(scheduled.request)
+        self.num_steps += 1
+
+        rows = prepared.sample_requests
+        if not rows:
+            return outputs
+        metadata = SamplingMetadata.build(
+            [r.sampling_params for r in rows],
+            [r.generator for r in rows],
+            [r.output_token_ids for r in rows],
+            forbidden_token_ids=[self.outputs.forbidden_tokens(r) for r in rows],
+            default_generator=self._default_generator,
+            device=self.device,
+        )
+        sampled = self.sampler.sample(logits, metadata)
+        for i, request in enumerate(rows):
+            token_logprobs = sampled.logprobs[i] if sampled.logprobs is not None else None
+            status = self.outputs.process_token(request, sampled.token_ids[i], token_logprobs)
+            if status is None:
+                outputs.append(self.outputs.make_output(request))
+            else:
+                self.scheduler.finish(request, status)
+                outputs.append(self._finalize(request))
+        return outputs
+
+    def _fail_requests_of(self, failed: list[AdapterEntry]) -> list[RequestOutput]:
+        """Finish the waiting requests of adapters that failed to load, with the load's error."""
+        outputs: list[RequestOutput] = []
+        for entry in failed:
+            for request in [r for r in self.scheduler.waiting if r.adapter is entry]:
+                request.error = f"adapter {entry.ref.name} could not be loaded: {entry.error}"
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._finalize(request))
+            self.adapters.forget(entry)  # a later request retries the load
+        return outputs
+
+    def _finalize(self, request: Request) -> RequestOutput:
+        if request.adapter is not None:
+            self.adapters.request_finished(request.adapter)
+        output = self.outputs.make_output(request)
+        self.outputs.remove(request.request_id)
+        del self.requests[request.request_id]
+        return output
+
+    def state(self) -> EngineState:
+        cache = self.kv.prefix_cache
+        return EngineState(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            pool=self.pool.usage(),
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+            prefix_cache_blocks=cache.num_blocks if cache is not None else 0,
+            prefix_cache_queried_tokens=cache.stats.queried_tokens if cache is not None else 0,
+            prefix_cache_hit_tokens=cache.stats.hit_tokens if cache is not None else 0,
+            weight_bytes=self.weight_bytes,
+            quantization=self.model.quantization_label,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request uses (vLLM's reset_prefix_cache); returns how many."""
+        return self.kv.prefix_cache.clear() if self.kv.prefix_cache is not None else 0

@@ -1,0 +1,69 @@
+"""A request's state inside the engine: its tokens, how many have KV in the cache, and its blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplex.engine.core.sampling_params import SamplingParams
+from loraplex.engine.lora.manager import AdapterEntry
+from loraplex.engine.memory.page_pool import PageId
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # e.g. its adapter failed to load
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: min(params.max_tokens, room left in the context)
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None  # per-request randomness when the request has a seed
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[PageId] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at the first admission)
+    cache_salt: str | None = None  # set by a trusted caller (the platform: per tenant); part of block 0's hash
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, filled in by the prefix cache
+    num_offered_blocks: int = 0  # leading full blocks already offered to the prefix cache (while it holds them)
+    adapter: AdapterEntry | None = None  # None: the base model
+    error: str | None = None  # why it finished with FINISHED_ERROR
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

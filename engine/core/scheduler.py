@@ -1,0 +1,170 @@
+"""Continuous batching: which requests run this step, and how many of their tokens.
+
+Every step has a token budget. Running requests go first, in arrival order: a decode takes one token, a prompt
+still being prefilled takes the next chunk. Waiting requests then start while budget, sequence slots and pages
+last. When a running request cannot get the pages it needs, the most recently started running request is
+preempted: its pages are freed and it waits again at the front of the queue, to be recomputed from its prompt
+and the tokens it already produced (so its output does not change).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from loraplex.engine.core.request import Request, RequestStatus
+from loraplex.engine.lora.manager import AdapterManager, AdapterState
+from loraplex.engine.memory.kv_cache import KVCacheManager
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    # Pages kept free when admitting a waiting request, so running requests can keep decoding for a while
+    # before anyone must be preempted.
+    watermark_pages: int = 0
+    # Distinct adapters among running requests (so in any step); base-model requests do not count.
+    max_adapters_per_batch: int = 32
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this step every known token has K/V, so the step samples the request's next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, adapters: AdapterManager | None = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.adapters = adapters
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._running_adapters: dict[str, int] = {}  # digest -> running requests with it
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.can_allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                self.kv.allocate(request, num_new)
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing behind it is left to schedule
+
+        # No new admissions in a step that had to preempt: the pool is full.
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Start waiting requests in arrival order while budget, sequence slots and pages last.
+
+        A request whose adapter is still loading is passed over, so resident adapters' requests go first and the
+        load never stalls the queue. A request held back by the adapter cap, or by a loaded adapter with no pool
+        room yet, stops admission instead: nothing that arrived later overtakes it, so it starts as soon as the
+        requests already running drain (a bounded wait), never starved by newcomers of popular adapters.
+        """
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
+            entry = request.adapter
+            if entry is not None:
+                assert self.adapters is not None
+                new_adapter = entry.ref.digest not in self._running_adapters
+                if new_adapter and len(self._running_adapters) >= self.config.max_adapters_per_batch:
+                    break
+                if not self.adapters.try_place(entry):
+                    if entry.state is AdapterState.LOADED:
+                        break  # loaded, waiting for pool room that running requests will give back
+                    i += 1  # still loading (or failed: the engine finishes it): look further
+                    continue
+                self.adapters.acquire(entry)  # pinned before KV allocation may evict idle adapters
+            self.kv.match_prefix(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.can_allocate(request, num_new, reserve=self.config.watermark_pages):
+                self.kv.free(request)  # the matched prefix goes back to the cache
+                request.num_computed_tokens = 0
+                if entry is not None:
+                    assert self.adapters is not None
+                    self.adapters.release(entry)
+                break
+            del self.waiting[i]
+            self.kv.allocate(request, num_new)
+            self.kv.admitted(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if entry is not None:
+                self._running_adapters[entry.ref.digest] = self._running_adapters.get(entry.ref.digest, 0) + 1
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _stop_running(self, request: Request) -> None:
+        """Bookkeeping when a request leaves the running list (preempted or finished)."""
+        entry = request.adapter
+        if entry is None:
+            return
+        assert self.adapters is not None
+        digest = entry.ref.digest
+        left = self._running_adapters[digest] - 1
+        if left:
+            self._running_adapters[digest] = left
+        else:
+            del self._running_adapters[digest]
+        self.adapters.release(entry)
+
+    def _preempt(self, request: Request) -> None:
+        self._stop_running(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of the queues and give back its pages (finished or aborted)."""
+        self.kv.free(request)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._stop_running(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status

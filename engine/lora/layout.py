@@ -1,0 +1,121 @@
+"""Where an adapter's matrices sit inside its pool pages.
+
+An adapter owns the same page ids in every layer. Inside one layer's share of them it is a flat region of
+elements: first the A matrices (row-major [rank, in_features]) of every projection group, then each module's B
+transposed ([rank, out_features], scaling already applied). A group is the projections that read the same input
+and are computed by one fused matmul of the base model: q/k/v, o, gate/up, down. Their A rows sit back to back,
+so one shrink over the group's total rank serves all of them; each module then expands into its own column
+range of the fused output. Sizes follow each module's own rank: nothing is padded to a maximum rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.engine.lora.adapter import LoraAdapter
+from loraplex.engine.model.config import ModelConfig
+
+# (group name, its modules in the order of the base model's fused output columns)
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("qkv", ("q_proj", "k_proj", "v_proj")),
+    ("o", ("o_proj",)),
+    ("gate_up", ("gate_proj", "up_proj")),
+    ("down", ("down_proj",)),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModulePlacement:
+    module: str
+    rank: int
+    h_offset: int  # first column of this module's rows in the group's shrink output
+    b_offset: int  # element offset of B^T [rank, out] in the layer region
+    out_start: int  # column range this module adds into, in the group's fused output
+    out_end: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlacement:
+    group: str
+    a_offset: int  # element offset of the group's A rows [rank, in_features]
+    rank: int  # total rank of the group's modules
+    in_features: int
+    modules: tuple[ModulePlacement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    groups: dict[str, GroupPlacement]  # only groups the adapter touches in this layer
+    num_elems: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterLayout:
+    layers: tuple[LayerLayout, ...]
+    num_pages: int  # pages per layer share = pages the adapter takes from the pool
+
+    @property
+    def max_elems(self) -> int:
+        return max((layer.num_elems for layer in self.layers), default=0)
+
+
+def group_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, int], ...]]]:
+    """group -> (in_features, ((module, out_features), ...)) for this base model."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "qkv": (hidden, (("q_proj", config.q_size), ("k_proj", config.kv_size), ("v_proj", config.kv_size))),
+        "o": (config.q_size, (("o_proj", hidden),)),
+        "gate_up": (hidden, (("gate_proj", inter), ("up_proj", inter))),
+        "down": (inter, (("down_proj", hidden),)),
+    }
+
+
+def layout_adapter(adapter: LoraAdapter, config: ModelConfig, page_elems: int) -> AdapterLayout:
+    shapes = group_shapes(config)
+    layers: list[LayerLayout] = []
+    for layer in range(config.num_layers):
+        offset = 0
+        groups: dict[str, GroupPlacement] = {}
+        pending_b: list[tuple[str, str, int, int, int, int]] = []  # group, module, rank, h_offset, start, end
+        for group, _ in GROUPS:
+            in_features, outs = shapes[group]
+            a_offset, h_offset, out_start = offset, 0, 0
+            for module, out_features in outs:
+                found = adapter.modules.get((layer, module))
+                if found is not None:
+                    pending_b.append((group, module, found.rank, h_offset, out_start, out_start + out_features))
+                    h_offset += found.rank
+                out_start += out_features
+            if h_offset:
+                groups[group] = GroupPlacement(group, a_offset, h_offset, in_features, ())
+                offset += h_offset * in_features
+        placed: dict[str, list[ModulePlacement]] = {g: [] for g in groups}
+        for group, module, rank, h_offset, start, end in pending_b:
+            placed[group].append(ModulePlacement(module, rank, h_offset, offset, start, end))
+            offset += rank * (end - start)
+        layers.append(
+            LayerLayout(
+                groups={
+                    g: GroupPlacement(p.group, p.a_offset, p.rank, p.in_features, tuple(placed[g]))
+                    for g, p in groups.items()
+                },
+                num_elems=offset,
+            )
+        )
+    max_elems = max((layer.num_elems for layer in layers), default=0)
+    return AdapterLayout(layers=tuple(layers), num_pages=max(1, -(-max_elems // page_elems)))
+
+
+def pack_layer(adapter: LoraAdapter, layout: AdapterLayout, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's region as one flat host tensor, in the layout above."""
+    placement = layout.layers[layer]
+    flat = torch.empty(placement.num_elems, dtype=dtype)
+    for group in placement.groups.values():
+        rows = [adapter.modules[(layer, m.module)].a for m in group.modules]
+        flat[group.a_offset : group.a_offset + group.rank * group.in_features] = torch.cat(rows).reshape(-1)
+        for m in group.modules:
+            b_t = adapter.modules[(layer, m.module)].b.t()
+            flat[m.b_offset : m.b_offset + b_t.numel()] = b_t.reshape(-1)
+    return flat

@@ -1,0 +1,107 @@
+"""Linear layers over a weight that is either a plain tensor or a quantized one (kernels/quant.py).
+
+The model's forward calls `linear` and `addmm` whatever its weights are; a plain tensor takes exactly the path it
+took before quantization existed (F.linear, torch.addmm), so the unquantized engine is unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.engine.core.config import QuantizationName
+from loraplex.kernels.quant import (
+    GROUP_SIZE,
+    Int4Weight,
+    Int8Weight,
+    int4_linear,
+    int8_linear,
+    quantize_int4,
+    quantize_int8,
+    workspace_elems,
+)
+
+QuantizedWeight = Int8Weight | Int4Weight
+Weight = torch.Tensor | QuantizedWeight
+
+# int4 groups run along in_features. A width that 128 does not divide (the demo model's intermediate size 704, the
+# test checkpoints' 160) takes the largest of these that divides it: finer groups cost a little memory (float32
+# scale and zero point per group) and lose no accuracy, where refusing would leave such models unquantizable.
+_INT4_GROUP_SIZES = (GROUP_SIZE, 64, 32)
+
+
+# The CPU paths dequantize tiles into a float32 workspace; one per thread (the engine steps in one thread, tests and
+# benchmarks may drive several engines), grown to the widest matrix seen, kept for the thread's life. A fresh 2 MiB
+# buffer per call costs page faults whenever the allocator returns it to the OS in between (kernels/quant.py).
+_workspaces = threading.local()
+
+
+def _workspace(x: torch.Tensor, in_features: int) -> torch.Tensor | None:
+    if x.is_cuda:
+        return None
+    needed = workspace_elems(in_features)
+    buffer: torch.Tensor | None = getattr(_workspaces, "buffer", None)
+    if buffer is None or buffer.numel() < needed:
+        # A normal tensor even when made during an inference-mode step: such a one may be written in and out of it.
+        with torch.inference_mode(False):
+            buffer = torch.empty(needed, dtype=torch.float32)
+        _workspaces.buffer = buffer
+    return buffer
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [num_tokens, in] @ weight.T (+ bias [out]) -> [num_tokens, out] in x's dtype."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    workspace = _workspace(x, weight.shape[1])
+    if isinstance(weight, Int8Weight):
+        return int8_linear(x, weight, bias, workspace=workspace)
+    return int4_linear(x, weight, bias, workspace=workspace)
+
+
+def addmm(residual: torch.Tensor, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """residual [num_tokens, out] + x [num_tokens, in] @ weight.T, as a new tensor (residual is not written)."""
+    if isinstance(weight, torch.Tensor):
+        # addmm adds the residual inside the matmul: one pass over the activations fewer.
+        return torch.addmm(residual, x, weight.t())
+    return linear(x, weight).add_(residual)  # the product is a fresh tensor: add into it, not into residual
+
+
+def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU weight [out, in] as the same-shaped view of an input-major copy ([in, out] in memory).
+
+    F.linear then hands MKL x @ W with W stored as is (no transposed operand), which runs up to 2.6x faster at the
+    16-64 rows of decode steps on an AVX-512 CPU and the same at prefill sizes (docs/decisions/0017). Half types
+    go through oneDNN, where the input-major copy is slower, so they keep the checkpoint's layout.
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return weight
+    return weight.t().contiguous().t()
+
+
+def quantize(weight: torch.Tensor, mode: QuantizationName) -> QuantizedWeight:
+    """Round-to-nearest quantization of a float weight [out, in]; raises ValueError if int4 has no group size
+    that divides in_features."""
+    if mode == "int8":
+        return quantize_int8(weight)
+    return quantize_int4(weight, group_size=int4_group_size(weight.shape[1]))
+
+
+def int4_group_size(in_features: int) -> int:
+    """The int4 group size for rows of `in_features`: 128, or the largest of 64 and 32 that divides it."""
+    for size in _INT4_GROUP_SIZES:
+        if in_features % size == 0:
+            return size
+    raise ValueError(
+        f"int4 quantization needs in_features divisible by one of {', '.join(map(str, _INT4_GROUP_SIZES))}, "
+        f"but a projection has {in_features}"
+    )
+
+
+def nbytes(weight: Weight) -> int:
+    """Bytes the weight really keeps: the tensor, or the quantized values with their scales and zero points."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return weight.nbytes()

@@ -1,0 +1,175 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Required, TypedDict
+
+from loraplex.engine.core.config import DTypeName, EngineConfig, QuantizationName
+from loraplex.engine.core.engine_core import EngineCore
+from loraplex.engine.core.outputs import RequestOutput
+from loraplex.engine.core.sampling_params import SamplingParams
+from loraplex.engine.lora.ref import AdapterRef, LoRARequest
+from loraplex.engine.model.tokenizer import Tokenizer
+
+
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: Required[list[int]]
+    cache_salt: str  # prefix-cache blocks are shared only between requests with the same salt
+
+
+class TextPrompt(TypedDict, total=False):
+    prompt: Required[str]
+    cache_salt: str
+
+
+Prompt = str | TextPrompt | TokensPrompt
+Message = dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    text: str | None
+    token_ids: list[int]
+    cache_salt: str | None = None
+
+
+class LLM:
+    """Loads a model once and runs batches of prompts through the continuous-batching engine.
+
+    `quantization`: None, "int8" (per output channel) or "int4" (group-wise): the decoder layers' projections
+    are quantized at load from the 16/32-bit checkpoint; embeddings, lm_head and LoRA adapters stay in `dtype`.
+    A GPTQ or AWQ 4-bit checkpoint is recognized from its config and served as it is (leave `quantization` unset).
+    `options` are EngineConfig fields: max_model_len, kv_budget, block_size, max_num_seqs,
+    max_num_batched_tokens, seed, device, num_threads, served_model_name.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: DTypeName = "auto",
+        quantization: QuantizationName | None = None,
+        **options: Any,
+    ) -> None:
+        if "gpu_memory_utilization" in options:  # vLLM's name for the same budget
+            options["kv_budget"] = float(options.pop("gpu_memory_utilization"))
+        self.engine = EngineCore(EngineConfig(model=Path(model), dtype=dtype, quantization=quantization, **options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`.
+
+        `lora_request`: one adapter for every prompt, or one per prompt (None runs the base model).
+        """
+        prompt_list: list[Prompt] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        encoded = [self._encode(p) for p in prompt_list]
+        return self._generate(
+            encoded, self._params_for(len(encoded), sampling_params), self._loras_for(len(encoded), lora_request)
+        )
+
+    def _encode(self, prompt: Prompt) -> _Encoded:
+        if isinstance(prompt, str):
+            return _Encoded(prompt, self.engine.tokenizer.encode(prompt))
+        salt = prompt.get("cache_salt")
+        if "prompt_token_ids" in prompt:
+            return _Encoded(None, list(prompt["prompt_token_ids"]), salt)  # type: ignore[typeddict-item]
+        if "prompt" in prompt:
+            text: str = prompt["prompt"]
+            return _Encoded(text, self.engine.tokenizer.encode(text), salt)
+        raise ValueError("a prompt is a str, {'prompt': str} or {'prompt_token_ids': [...]}")
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations: list[list[Message]] = [list(messages)] if single else [list(c) for c in messages]  # type: ignore[arg-type]
+        tokenizer = self.engine.tokenizer
+        encoded: list[_Encoded] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            # The template writes any BOS itself; encoding must not add a second one.
+            encoded.append(_Encoded(text, tokenizer.encode(text, add_special_tokens=False), cache_salt))
+        return self._generate(
+            encoded, self._params_for(len(encoded), sampling_params), self._loras_for(len(encoded), lora_request)
+        )
+
+    def _generate(
+        self,
+        encoded: list[_Encoded],
+        params_list: list[SamplingParams],
+        loras: list[AdapterRef | None],
+    ) -> list[RequestOutput]:
+        request_ids: list[str] = []
+        try:
+            for prompt, params, lora in zip(encoded, params_list, loras, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(
+                    request_id, prompt.token_ids, params, prompt=prompt.text, lora=lora, cache_salt=prompt.cache_salt
+                )
+                request_ids.append(request_id)
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids)
+
+    def _params_for(
+        self, count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"got {count} prompts but {len(params)} sampling params")
+        return params
+
+    def _loras_for(
+        self, count: int, lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+    ) -> list[AdapterRef | None]:
+        requests = [lora_request] * count if not isinstance(lora_request, Sequence) else list(lora_request)
+        if len(requests) != count:
+            raise ValueError(f"got {count} prompts but {len(requests)} lora requests")
+        resolved: dict[tuple[str, str], AdapterRef] = {}  # each adapter's files are hashed once per call
+        refs: list[AdapterRef | None] = []
+        for lora in requests:
+            if lora is None:
+                refs.append(None)
+                continue
+            key = (lora.name, str(lora.path))
+            if key not in resolved:
+                resolved[key] = self.engine.resolve_lora(lora)
+            refs.append(resolved[key])
+        return refs
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        while wanted - finished.keys():
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError("the engine stopped with requests unfinished")
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,129 @@
+"""Prometheus metrics of one engine server.
+
+Each server app owns an `EngineMetrics` with its own registry (never prometheus_client's global one), so two
+apps in one process, as in tests, never share or double-register series. Request counters and latency
+histograms are recorded by the server as requests end; load gauges (running, waiting, pool pages, preemptions)
+are read from the engine's latest state snapshot when scraped, so they can never drift from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from loraplex.engine.core.engine_core import (
+        EngineState,  # the core pulls in torch; these metrics only read its snapshot
+    )
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the classic text format every Prometheus version scrapes
+
+_PREFIX = "loraplex_engine"
+# Seconds: from tens of milliseconds (short prompts on a GPU) to minutes (long generations on a CPU).
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished engine request, as the server saw it."""
+
+    finish_reason: str  # stop | length | abort (client went away) | error
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generated_tokens: int
+    time_to_first_token_s: float | None  # None when no token came out
+    latency_s: float
+    adapter: str = ""  # the LoRA adapter's name; "" for the base model
+
+
+class _StateCollector(Collector):
+    """Reads the engine's state snapshot at scrape time."""
+
+    def __init__(self, state: Callable[[], EngineState], is_healthy: Callable[[], bool]) -> None:
+        self._state = state
+        self._is_healthy = is_healthy
+
+    def collect(self) -> Iterable[Metric]:
+        state = self._state()
+        yield GaugeMetricFamily(f"{_PREFIX}_healthy", "1 while the engine thread serves requests.", self._is_healthy())
+        yield GaugeMetricFamily(f"{_PREFIX}_num_requests_running", "Requests being generated.", state.num_running)
+        yield GaugeMetricFamily(f"{_PREFIX}_num_requests_waiting", "Requests queued for a slot.", state.num_waiting)
+        yield GaugeMetricFamily(f"{_PREFIX}_pool_pages_total", "Pages in the memory pool.", state.pool.num_pages)
+        yield GaugeMetricFamily(f"{_PREFIX}_pool_pages_free", "Free pages in the memory pool.", state.pool.num_free)
+        used = GaugeMetricFamily(f"{_PREFIX}_pool_pages_used", "Pages in use, by kind.", labels=["kind"])
+        for kind, count in sorted(state.pool.by_kind.items()):
+            used.add_metric([kind], count)
+        yield used
+        yield GaugeMetricFamily(f"{_PREFIX}_pool_page_bytes", "Bytes per page (all layers).", state.pool.page_bytes)
+        yield CounterMetricFamily(
+            f"{_PREFIX}_preemptions", "Requests preempted (recomputed later) for lack of pages.", state.num_preemptions
+        )
+        yield CounterMetricFamily(f"{_PREFIX}_steps", "Engine steps run.", state.num_steps)
+        yield GaugeMetricFamily(
+            f"{_PREFIX}_weight_bytes", "Bytes of model weights held (quantized ones with scales).", state.weight_bytes
+        )
+
+
+class EngineMetrics:
+    def __init__(self, state: Callable[[], EngineState], is_healthy: Callable[[], bool]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            f"{_PREFIX}_requests",
+            "Finished requests, by finish reason (stop, length, abort, error).",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(f"{_PREFIX}_prompt_tokens", "Prompt tokens processed.", registry=self.registry)
+        self.cached_prompt_tokens = Counter(
+            f"{_PREFIX}_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=self.registry
+        )
+        self.generation_tokens = Counter(f"{_PREFIX}_generation_tokens", "Tokens generated.", registry=self.registry)
+        # Hit rate per adapter = hit / queried. The platform's own /metrics has it per tenant (the engine never
+        # learns tenants: it sees only their cache salts).
+        self.prefix_queried_tokens = Counter(
+            f"{_PREFIX}_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache, by adapter ('' for the base model).",
+            ["adapter"],
+            registry=self.registry,
+        )
+        self.prefix_hit_tokens = Counter(
+            f"{_PREFIX}_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache, by adapter ('' for the base model).",
+            ["adapter"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            f"{_PREFIX}_time_to_first_token_seconds",
+            "From request arrival to its first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_latency = Histogram(
+            f"{_PREFIX}_request_latency_seconds",
+            "From request arrival to its end.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_StateCollector(state, is_healthy))
+
+    def record(self, record: RequestRecord) -> None:
+        self.requests.labels(record.finish_reason).inc()
+        self.prompt_tokens.inc(record.num_prompt_tokens)
+        self.cached_prompt_tokens.inc(record.num_cached_tokens)
+        self.prefix_queried_tokens.labels(record.adapter).inc(record.num_prompt_tokens)
+        self.prefix_hit_tokens.labels(record.adapter).inc(record.num_cached_tokens)
+        self.generation_tokens.inc(record.num_generated_tokens)
+        if record.time_to_first_token_s is not None:
+            self.time_to_first_token.observe(record.time_to_first_token_s)
+        self.request_latency.observe(record.latency_s)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series; serve it with CONTENT_TYPE."""
+        return generate_latest(self.registry)

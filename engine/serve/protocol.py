@@ -1,0 +1,542 @@
+"""OpenAI's wire shapes for the engine server: /v1/completions, /v1/chat/completions and /v1/models, and vLLM's
+for /v1/load_lora_adapter and /v1/unload_lora_adapter.
+
+Requests accept OpenAI's fields plus vLLM's sampling extras (top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
+skip_special_tokens, include_stop_str_in_output), vLLM's `cache_salt` and `stream_options.continuous_usage_stats`,
+and one field of our own for a trusted caller (the platform): `lora_adapter`, an adapter named by its files and
+content digest (`LoraAdapterSpec`). Unknown fields are ignored, as both servers do, and listed in `model_extra` so
+the server can log them. Shape errors (a wrong type, a role that does not exist) fail
+validation and name the field; values the engine cannot honour (n > 1, penalties, tools, a JSON response format)
+are refused by `sampling_params()` / `check_supported()` with a `RequestError` naming the field; ranges
+(temperature, top_p, ...) are `SamplingParams`'s to check, so each rule lives in one place.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, cast
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    StringConstraints,
+    field_validator,
+    model_serializer,
+)
+
+from loraplex.engine.core.outputs import PositionLogprobs
+from loraplex.engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from loraplex.engine.errors import RequestError
+
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
+
+MAX_ADAPTER_NAME_CHARS = 256
+DIGEST_PREFIX = "sha256:"
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+# Completions' `prompt`: one text, one token-id list, or a batch of either (one choice per prompt).
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+def _unsupported(param: str, message: str) -> RequestError:
+    return RequestError(message, code="unsupported_value", param=param)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: StrictBool | None = False
+    # vLLM's: every chunk carries the usage so far (and the closing usage chunk comes too, as if include_usage),
+    # so a caller relaying chunks knows what it has handed out when its own client goes away.
+    continuous_usage_stats: StrictBool | None = False
+
+
+class LoraAdapterSpec(BaseModel):
+    """`lora_adapter`: run the request with the adapter whose two files (PEFT's save_pretrained folder) are at
+    `source` and hash to `digest` (`adapter_digest`'s "sha256:<64 hex>"). Not OpenAI's: a trusted caller's field.
+
+    The digest is trusted as the adapter's identity (the prefix cache and the pool key on it) and verified when the
+    engine reads the files: content that hashes otherwise fails the request. Which sources are accepted at all is
+    the server's `AdapterRoots`' decision, not this shape's.
+    """
+
+    model_config = ConfigDict(extra="forbid")  # unlike the requests': a misspelt key here must not pass unnoticed
+
+    name: StrictStr  # how logs and metrics call it
+    source: StrictStr  # s3://bucket/prefix, or an absolute folder
+    digest: StrictStr
+
+    @field_validator("name")
+    @classmethod
+    def _name_shape(cls, value: str) -> str:
+        if not value or len(value) > MAX_ADAPTER_NAME_CHARS or not value.isprintable() or value != value.strip():
+            raise ValueError(
+                f"name must be 1 to {MAX_ADAPTER_NAME_CHARS} printable characters, without surrounding spaces"
+            )
+        return value
+
+    @field_validator("source")
+    @classmethod
+    def _source_shape(cls, value: str) -> str:
+        if not value or not value.isprintable():
+            raise ValueError("source must be an s3://bucket/prefix URI or an absolute folder")
+        return value
+
+    @field_validator("digest")
+    @classmethod
+    def _digest_shape(cls, value: str) -> str:
+        digest = value.lower()  # hex digits are case-free; the engine's digests are lower case
+        if not _DIGEST.fullmatch(digest):
+            raise ValueError(f"digest must be {DIGEST_PREFIX!r} followed by 64 hex digits")
+        return digest
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+class _SamplingFields(_Request):
+    """Fields both APIs share, mapped to SamplingParams in one place."""
+
+    model: str | None = None  # vLLM's leniency: absent means the served model
+    n: StrictInt | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    lora_adapter: LoraAdapterSpec | None = None  # ours (see LoraAdapterSpec); `model` is then the base model
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt (the platform sets one per
+    # tenant; a client that reaches the engine directly can only narrow its own sharing with it).
+    cache_salt: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    repetition_penalty: float | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        # Checked before pydantic's union, whose errors would name each alternative (`stop.str`, `stop.list[str]`).
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(value)}")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """A stream ends with a chunk carrying the whole usage (continuous usage implies it)."""
+        options = self.stream_options
+        return bool(self.stream and options is not None and (options.include_usage or options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk of the stream carries the usage so far."""
+        options = self.stream_options
+        return bool(self.stream and options is not None and options.continuous_usage_stats)
+
+    def check_supported(self) -> None:
+        """Refuse what the engine cannot do rather than silently ignoring it."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0):
+                raise _unsupported(name, f"{name} is not supported; leave it unset or 0")
+        if self.repetition_penalty not in (None, 1):
+            raise _unsupported("repetition_penalty", "repetition_penalty is not supported; leave it unset or 1")
+        if self.logit_bias:
+            raise _unsupported("logit_bias", "logit_bias is not supported; leave it unset or empty")
+
+    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; SamplingParams raises RequestError naming any out-of-range field."""
+        self.check_supported()
+        return SamplingParams(
+            n=self.n if self.n is not None else 1,
+            temperature=self.temperature if self.temperature is not None else 1.0,
+            top_p=self.top_p if self.top_p is not None else 1.0,
+            top_k=self.top_k if self.top_k is not None else 0,
+            min_p=self.min_p if self.min_p is not None else 0.0,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+# --- /v1/completions ---------------------------------------------------------------------------------------------
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    max_tokens: StrictInt | None = 16  # OpenAI's default for this API
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        # One check with one message: pydantic's own error for a four-way union lists every alternative.
+        def is_ids(item: Any) -> bool:
+            return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+
+        ok = isinstance(value, str) or (
+            isinstance(value, list)
+            and len(value) > 0
+            and (is_ids(value) or all(isinstance(p, str) for p in value) or all(is_ids(p) for p in value))
+        )
+        if not ok:
+            raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
+        return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one entry per choice, in choice order."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(token, int) for token in prompt):
+            return [cast("list[int]", prompt)]
+        batch: list[str | list[int]] = []
+        batch.extend(cast("list[str] | list[list[int]]", prompt))
+        return batch
+
+    def sampling_params(self) -> SamplingParams:
+        if self.best_of not in (None, 1):
+            raise _unsupported("best_of", "best_of must be 1")
+        if self.suffix:
+            raise _unsupported("suffix", "suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise _unsupported("echo", "echo cannot be combined with logprobs (prompt logprobs are not supported)")
+        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+
+
+def _by_rank(position: PositionLogprobs) -> list[tuple[str, float]]:
+    """(decoded token, logprob) of one position's entries, most likely first."""
+    ranked = sorted(position.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+    return [(lp.decoded_token or "", lp.logprob) for lp in ranked]
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls, token_ids: Sequence[int], positions: Sequence[PositionLogprobs], text_offset: int
+    ) -> tuple[CompletionLogprobs, int]:
+        """The logprobs of `token_ids`, whose text starts at `text_offset`; returns them and the next offset."""
+        result = cls()
+        for token_id, position in zip(token_ids, positions, strict=True):
+            sampled = position.get(token_id)
+            token = (sampled.decoded_token or "") if sampled is not None else ""
+            result.tokens.append(token)
+            result.token_logprobs.append(sampled.logprob if sampled is not None else None)
+            # vLLM's shape: the top alternatives plus the sampled token, so logprobs=0 still names it.
+            top: dict[str, float] = {}
+            for text, logprob in _by_rank(position):
+                top.setdefault(text, logprob)  # two ids may decode alike: keep the likelier
+            result.top_logprobs.append(top)
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+        return result, text_offset
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's extra: the stop string or token id that ended the choice
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (billed apart)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, *, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+        )
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+# A stream's chunks have the same shape as the response (OpenAI's object is "text_completion" for both).
+CompletionChunk = CompletionResponse
+
+
+# --- /v1/chat/completions ----------------------------------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: str
+
+
+# Part types of OpenAI's chat API that carry something other than text: these models read text only.
+NON_TEXT_PARTS = ("image_url", "input_audio", "file")
+
+
+def check_content(value: Any) -> Any:
+    """A message's `content` as OpenAI's SDK sends it: a string or a list of `{"type": "text", "text": ...}` parts.
+    Raise ValueError naming what is wrong (an image or audio part by its type), for pydantic to report by field."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError('content must be a string or a list of {"type": "text", "text": ...} parts')
+    for index, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if isinstance(kind, str) and kind in NON_TEXT_PARTS:
+            raise ValueError(f"part {index} has type '{kind}': this model reads text only, send 'text' parts")
+        if isinstance(kind, str) and kind != "text":
+            raise ValueError(f"part {index} has type '{kind[:64]}', which is not supported: send 'text' parts")
+        raise ValueError(f'part {index} must be {{"type": "text", "text": "..."}} with a string text')
+    return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value: Any) -> Any:
+        return check_content(value)
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        # Chat templates know system, user and assistant; OpenAI's developer role is the system role renamed.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.text()}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: StrictInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools or self.functions:
+            name = "tools" if self.tools else "functions"
+            raise _unsupported(name, "tool and function calling are not supported by this server")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            name = "tool_choice" if self.tool_choice not in (None, "none") else "function_call"
+            raise _unsupported(name, "tool and function calling are not supported by this server")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise _unsupported("response_format", "only response_format type 'text' is supported")
+        if self.chat_template is not None or self.chat_template_kwargs:
+            name = "chat_template" if self.chat_template is not None else "chat_template_kwargs"
+            raise _unsupported(name, "a request may not supply its own chat template; the model's template is used")
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise RequestError("top_logprobs requires logprobs to be true", code="invalid_value", param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [message.for_template() for message in self.messages]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top_n: int) -> ChoiceLogprobs:
+        """Chat logprobs of `token_ids`: each with its `top_n` most likely alternatives, most likely first."""
+        content: list[TokenLogprob] = []
+        for token_id, position in zip(token_ids, positions, strict=True):
+            sampled = position.get(token_id)
+            token = (sampled.decoded_token or "") if sampled is not None else ""
+            top = [
+                TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+                for text, logprob in _by_rank(position)[:top_n]
+            ]
+            # The engine always reports the sampled token; the fallback only keeps the shape if it did not.
+            logprob = sampled.logprob if sampled is not None else -9999.0
+            content.append(TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top))
+        return cls(content=content)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI's deltas carry only what changed: `{"content": "..."}`, and `{}` on the finishing chunk.
+        data: dict[str, Any] = handler(self)
+        return {key: value for key, value in data.items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+# --- /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) ----------------------------------------------------
+
+
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: str
+    lora_path: str  # a folder PEFT's save_pretrained wrote, or s3://bucket/prefix holding the same two files
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: str
+
+
+# --- /v1/models and errors ---------------------------------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "loraplex"
+    root: str | None = None  # vLLM's: the base model's name, or an adapter's source (folder or s3:// URI)
+    parent: str | None = None  # vLLM's: an adapter's base model; None for the base model itself
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

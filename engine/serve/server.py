@@ -1,0 +1,368 @@
+"""The engine's OpenAI-compatible HTTP server, shaped like vLLM's so its users feel at home.
+
+Routes: POST /v1/completions and /v1/chat/completions (streaming or not; `model` names the base model or a LoRA
+adapter, or a trusted caller names an adapter's files and digest in `lora_adapter`), GET /v1/models (the base model
+and its adapters), POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), GET /v1/state (the load the
+platform's router reads), GET /healthz, GET /metrics (Prometheus). Every error, routing and body validation
+included, answers in OpenAI's envelope `{"error": {message, type, param, code}}`.
+
+This module is the HTTP layer: the exception handler and error envelope, SSE framing, the controllers, and the app.
+What a request means (validation, generation, the response bodies) is `serving`'s `OpenAIServing`.
+
+Ownership: `create_engine_app` serves an engine it does not own (the caller creates and shuts it down); `serve`
+owns one for the life of a uvicorn server. With a `RegistrationConfig` the app's lifespan also registers the engine
+in the fleet's Redis registry (see `registration`) while it serves.
+A request is validated before anything is sent, so a bad request is a 400 even when it asked for a stream; once a
+stream has begun, an error ends it with an error event and `[DONE]`
+(an adapter that fails to load while the request waits for it is such an error: a 400 if the adapter is at fault,
+a 500 if the server is).
+A client that goes away aborts its engine requests, which frees their pages: a stream's generator is closed
+(Litestar cancels it on disconnect, and the response's background task closes it otherwise), and a non-streaming
+request races its generation against the disconnect, answering 499.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import Any, Final
+
+from litestar import Controller, Litestar, Request, Response, Router, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.connection import ASGIConnection
+from litestar.di import NamedDependency, Provide
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.handlers.base import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig
+from litestar.params import JSONBody
+from litestar.response import Stream
+from pydantic import BaseModel
+
+from loraplex.engine.core.config import EngineConfig
+from loraplex.engine.errors import EngineError, RequestError
+from loraplex.engine.lora.ref import LoRARequest
+from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected
+from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed
+from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
+from loraplex.engine.serve.lora_registry import AdapterRoots, LoraRegistry
+from loraplex.engine.serve.metrics import CONTENT_TYPE
+from loraplex.engine.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorDetail,
+    ErrorResponse,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
+from loraplex.engine.serve.registration import FleetRegistration, RegistrationConfig
+from loraplex.engine.serve.serving import Job, OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+SSE_MEDIA_TYPE: Final = "text/event-stream"
+SSE_DONE: Final = "data: [DONE]\n\n"
+# nginx's "client closed request": never seen by the client, but honest in access logs.
+STATUS_CLIENT_CLOSED: Final = 499
+
+
+# --- errors ------------------------------------------------------------------------------------------------------
+
+
+def _error_type(status_code: int) -> str:
+    if status_code >= 500:
+        return "server_error"
+    if status_code == 429:
+        return "rate_limit_error"
+    return "invalid_request_error"
+
+
+def _error_detail(exc: BaseException, request: Request[Any, Any, Any] | None = None) -> tuple[int, ErrorDetail]:
+    """Map any exception to a status and OpenAI's error body."""
+    status_code, message, code, param = 500, "The server had an error while processing your request.", None, None
+    if isinstance(exc, ApiError):
+        status_code, message, code, param = exc.status_code, exc.message, exc.code, exc.param
+    elif isinstance(exc, EngineDeadError):
+        status_code, message, code = 503, str(exc), "engine_unavailable"
+    elif isinstance(exc, RequestFailed):
+        # The adapter's fault (bad files, too large for this pool) is the client's; anything else is ours.
+        status_code, message, code = (400 if exc.is_client_error else 500), str(exc), "lora_adapter_load_failed"
+        param = "model" if exc.is_client_error else None
+        if not exc.is_client_error:
+            logger.error("a request failed: %s", exc, exc_info=exc.cause)
+    elif isinstance(exc, RequestError):
+        status_code, message, code, param = 400, str(exc), exc.code or "invalid_request", exc.param
+    elif isinstance(exc, ValidationException):
+        status_code, code = 400, "invalid_request"
+        message, param = _validation_message(exc)
+    elif isinstance(exc, HTTPException):
+        status_code, message = exc.status_code, str(exc.detail)
+        where = f"{request.method} {request.url.path}" if request is not None else "this request"
+        if status_code == 404:
+            message, code = f"Invalid URL ({where})", "unknown_url"
+        elif status_code == 405:
+            message, code = f"Method not allowed ({where})", "method_not_allowed"
+        elif status_code == 400:
+            code = "invalid_request"
+    else:
+        logger.error("unhandled error", exc_info=exc)
+    return status_code, ErrorDetail(message=message, type=_error_type(status_code), param=param, code=code)
+
+
+def _param_name(key: str) -> str:
+    """Litestar's `messages.0.content` -> OpenAI's `messages[0].content`."""
+    name = ""
+    for part in key.split("."):
+        name += f"[{part}]" if part.isdigit() else (f".{part}" if name else part)
+    return name
+
+
+def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
+    errors = [e for e in (exc.extra if isinstance(exc.extra, list) else []) if isinstance(e, dict)]
+    if not errors:
+        return str(exc.detail or "Invalid request body."), None
+    first = errors[0]
+    key = first.get("key")
+    if key == "data":  # the body itself is missing, not one of its fields
+        return "The request body must be a JSON object.", None
+    param = _param_name(str(key)) if key else None
+    detail = str(first.get("message", "invalid value")).removeprefix("Value error, ")
+    message = f"Invalid value for '{param}': {detail}" if param else f"Invalid request body: {detail}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problems)"
+    return message, param
+
+
+def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """The app's one exception handler: routing, body validation, request and engine errors alike."""
+    status_code, detail = _error_detail(exc, request)
+    return _json(ErrorResponse(error=detail), status_code=status_code)
+
+
+def _json(model: BaseModel, *, status_code: int = 200) -> Response[bytes]:
+    return Response(model.model_dump_json().encode(), status_code=status_code, media_type="application/json")
+
+
+def _sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def _sse_error(exc: BaseException) -> str:
+    _, detail = _error_detail(exc)
+    return _sse(ErrorResponse(error=detail))
+
+
+# --- HTTP --------------------------------------------------------------------------------------------------------
+
+Serving = NamedDependency[OpenAIServing]
+
+
+async def _server_sent_events(job: Job, chunks: AsyncGenerator[BaseModel, None]) -> AsyncGenerator[str, None]:
+    """OpenAI's framing: `data: {json}\\n\\n` per chunk, an error event if the stream fails, then `data: [DONE]`."""
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield _sse(chunk)
+    except Exception as exc:  # the response has begun: the error can only be told in the stream
+        if not isinstance(exc, EngineError | ApiError):
+            logger.exception("%s: the stream failed", job.response_id)
+        yield _sse_error(exc)
+    yield SSE_DONE
+
+
+def _stream(job: Job, chunks: AsyncGenerator[BaseModel, None]) -> Stream:
+    body = _server_sent_events(job, chunks)
+
+    async def close() -> None:
+        # Litestar does not close an iterator it stops reading (a send that failed on a dead connection): closing
+        # it here aborts the engine requests at once instead of whenever the generator is collected.
+        await body.aclose()
+
+    return Stream(
+        body,
+        media_type=SSE_MEDIA_TYPE,
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(close),
+    )
+
+
+def api_key_guard(api_key: str) -> Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], None]:
+    """A guard that admits a request only with `Authorization: Bearer <api_key>` (vLLM's --api-key)."""
+    expected = api_key.encode()
+
+    def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        scheme, _space, token = connection.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise ApiError(401, "Incorrect API key provided for this engine.", code="invalid_api_key")
+
+    return guard
+
+
+class OpenAIController(Controller):
+    path = "/v1"
+    tags = ["openai"]
+
+    @post("/completions", status_code=200, summary="Create a completion (OpenAI's legacy completions API)")
+    async def completions(
+        self, data: JSONBody[CompletionRequest], request: Request[Any, Any, Any], serving: Serving
+    ) -> Response[Any]:
+        job = await serving.completion_job(data)
+        if data.stream:
+            return _stream(job, serving.complete_stream(job, data))
+        try:
+            return _json(await serving.complete(job, data, request))
+        except ClientDisconnected:
+            return _client_closed()
+
+    @post("/chat/completions", status_code=200, summary="Create a chat completion")
+    async def chat_completions(
+        self, data: JSONBody[ChatCompletionRequest], request: Request[Any, Any, Any], serving: Serving
+    ) -> Response[Any]:
+        job = await serving.chat_job(data)
+        if data.stream:
+            return _stream(job, serving.chat_stream(job, data))
+        try:
+            return _json(await serving.chat(job, data, request))
+        except ClientDisconnected:
+            return _client_closed()
+
+    @get("/models", summary="The base model and its LoRA adapters")
+    async def models(self, serving: Serving) -> Response[bytes]:
+        return _json(serving.models())
+
+    @post("/load_lora_adapter", status_code=200, summary="Validate a LoRA adapter and serve it under a name (vLLM's)")
+    async def load_lora_adapter(self, data: JSONBody[LoadLoRAAdapterRequest], serving: Serving) -> Response[str]:
+        await serving.loras.load(data.lora_name, data.lora_path)
+        return _text(f"Success: LoRA adapter '{data.lora_name}' added successfully.")
+
+    @post("/unload_lora_adapter", status_code=200, summary="Stop serving a LoRA adapter name (vLLM's)")
+    async def unload_lora_adapter(self, data: JSONBody[UnloadLoRAAdapterRequest], serving: Serving) -> Response[str]:
+        await serving.loras.unload(data.lora_name)
+        return _text(f"Success: LoRA adapter '{data.lora_name}' removed successfully.")
+
+    @get("/state", summary="Load and free capacity, for the platform's router")
+    async def state(self, serving: Serving) -> dict[str, Any]:
+        return serving.state()
+
+
+def _text(message: str) -> Response[str]:
+    # vLLM answers these two routes with plain text; its users' scripts print or ignore it.
+    return Response(message, status_code=200, media_type="text/plain")
+
+
+def _client_closed() -> Response[bytes]:
+    detail = ErrorDetail(message="The client closed the connection.", type="invalid_request_error", code="aborted")
+    return _json(ErrorResponse(error=detail), status_code=STATUS_CLIENT_CLOSED)
+
+
+class OperationsController(Controller):
+    path = "/"
+    tags = ["operations"]
+
+    @get("/healthz", summary="Liveness: 200 while the engine serves, 503 once it has failed")
+    async def healthz(self, serving: Serving) -> Response[dict[str, str]]:
+        if serving.engine.is_healthy:
+            return Response({"status": "ok"})
+        return Response({"status": "unavailable"}, status_code=503)
+
+    @get("/metrics", summary="Prometheus metrics", include_in_schema=False)
+    async def metrics(self, serving: Serving) -> Response[bytes]:
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def create_engine_app(
+    engine: AsyncEngine,
+    loras: LoraRegistry | None = None,
+    *,
+    adapter_roots: Sequence[str] = (),
+    registration: RegistrationConfig | None = None,
+    api_key: str | None = None,
+) -> Litestar:
+    """An app serving `engine`, which the caller owns (creates, and shuts down after the app stops), and the
+    adapters already in `loras` (see `load_lora_modules`); without it, adapters come only from the load route.
+
+    `adapter_roots`: the folders and s3:// prefixes a request's `lora_adapter` may point into (none: the field is
+    refused). `registration`: register the engine in the fleet while the app runs (its lifespan, so only under an
+    ASGI server that runs lifespans, as uvicorn does); its base-model name is then also accepted as `model`.
+    `api_key`: every /v1 route (completions, models, the adapter load and unload routes) then needs it as a bearer
+    token, as vLLM's --api-key does; /healthz and /metrics stay open for probes and scrapes.
+    Raises ValueError for a malformed root.
+    """
+    roots = AdapterRoots(adapter_roots)
+    aliases = [registration.base_model] if registration is not None and registration.base_model else []
+    serving = OpenAIServing(engine, loras, adapter_roots=roots, model_aliases=aliases)
+
+    def provide_serving() -> OpenAIServing:
+        return serving
+
+    lifespan = []
+    if registration is not None:
+        fleet = FleetRegistration(engine, registration)
+
+        @contextlib.asynccontextmanager
+        async def registered(_: Litestar) -> AsyncIterator[None]:
+            async with fleet.running():
+                yield
+
+        lifespan.append(registered)
+
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key must not be empty")
+    openai = Router(
+        path="/", route_handlers=[OpenAIController], guards=[] if api_key is None else [api_key_guard(api_key)]
+    )
+    return Litestar(
+        route_handlers=[openai, OperationsController],
+        dependencies={"serving": Provide(provide_serving, use_cache=True, sync_to_thread=False)},
+        exception_handlers={Exception: handle_exception},
+        request_class=GuardedRequest,
+        before_request=refuse_nul_bytes,
+        openapi_config=OpenAPIConfig(title="loraplex engine", version="1", path="/schema"),
+        logging_config=None,  # the process configures logging; Litestar's default would replace its handlers
+        lifespan=lifespan,
+    )
+
+
+async def load_lora_modules(engine: AsyncEngine, lora_modules: Sequence[LoRARequest]) -> LoraRegistry:
+    """A registry holding the adapters named at start-up, each validated and hashed (vLLM's --lora-modules).
+
+    Raises LoraModuleError (a ValueError naming the adapter) for the first one that cannot be served.
+    """
+    loras = LoraRegistry(engine, engine.core.served_model_name)
+    await loras.load_all(lora_modules)
+    return loras
+
+
+async def serve(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    lora_modules: Sequence[LoRARequest] = (),
+    *,
+    adapter_roots: Sequence[str] = (),
+    registration: RegistrationConfig | None = None,
+    api_key: str | None = None,
+) -> None:
+    """Load the engine and the adapters named in `lora_modules`, serve them (and, with `registration`, announce
+    them to the fleet) until uvicorn is told to stop (SIGINT/SIGTERM), then shut the engine down.
+
+    Raises CheckpointError / ValueError from loading (LoraModuleError for an adapter, ValueError for a malformed
+    adapter root) before anything listens.
+    """
+    import uvicorn
+
+    AdapterRoots(adapter_roots)  # a malformed root fails before the model loads, not after
+    engine = await AsyncEngine.create(config)
+    try:
+        loras = await load_lora_modules(engine, lora_modules)
+        app = create_engine_app(engine, loras, adapter_roots=adapter_roots, registration=registration, api_key=api_key)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        )
+        await server.serve()
+    finally:
+        await engine.shutdown()
+
+
+__all__ = ["create_engine_app", "handle_exception", "load_lora_modules", "serve"]

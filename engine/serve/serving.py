@@ -1,0 +1,557 @@
+"""The serving logic behind the engine's OpenAI-compatible server: OpenAI requests in, engine requests out.
+
+`OpenAIServing` validates a request (model, sampling fields, prompt length) into a `Job` before anything is sent,
+so the HTTP layer can answer a bad request with a 400 even when it asked for a stream. It then runs the job's
+engine requests (one per prompt, merged as their outputs come) and turns the outputs into OpenAI's responses or
+stream chunks, recording each engine request's metrics and log line however it ends. A non-streaming request races
+its generation against the client's disconnect and raises `ClientDisconnected` if the client goes first; closing a
+stream's generator aborts its engine requests. HTTP framing (SSE, status codes, the error envelope) is `server`'s.
+
+`model` names the base model or a registered LoRA adapter (`LoraRegistry`); the name is resolved to an
+`AdapterRef` once, when the job is made, so a name re-pointed later never changes a request already accepted.
+A request may instead carry its own adapter (`lora_adapter`: name, source, digest; `model` is then the base
+model): its source must lie under the server's `AdapterRoots`, and its digest is taken as given, to be verified
+when the engine reads the files (a mismatch fails the request with a 400, as any adapter that cannot load does).
+
+With `stream_options.continuous_usage_stats` every chunk carries the usage so far: all prompt tokens, the completion
+tokens handed out in this and earlier chunks (a chunk carries every token generated since the previous one of its
+choice, even those whose text is still held back), and the cached prompt tokens once known. So a caller relaying
+chunks knows exactly what it has handed out if its own client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+from litestar import Request
+from pydantic import BaseModel
+
+from loraplex.engine.core.outputs import PositionLogprobs, RequestOutput
+from loraplex.engine.core.sampling_params import SamplingParams
+from loraplex.engine.errors import ContextLengthExceeded
+from loraplex.engine.lora.ref import AdapterRef
+from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected
+from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed
+from loraplex.engine.serve.lora_registry import LORA_ADAPTER_PARAM, AdapterRoots, LoraMetrics, LoraRegistry
+from loraplex.engine.serve.metrics import EngineMetrics, RequestRecord
+from loraplex.engine.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    LoraAdapterSpec,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Prompts at least this long are tokenized in a worker thread; shorter ones take less than a millisecond, less than
+# the hop to a thread costs.
+OFFLOAD_TOKENIZE_CHARS: Final = 16_384
+
+
+# --- running engine requests -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Prompt:
+    token_ids: list[int]
+    text: str | None  # the prompt as text, for echo (decoded when it came as token ids)
+
+
+@dataclass(slots=True)
+class Job:
+    """One HTTP request: its engine requests share the response id, arrival time, parameters and adapter."""
+
+    response_id: str
+    created: int
+    prompts: list[_Prompt]
+    params: SamplingParams
+    arrived: float  # perf_counter() when the HTTP request reached its handler
+    model: str  # the name the client asked for (the base model's or an adapter's), echoed in responses
+    lora: AdapterRef | None  # None: the base model
+    lora_param: str = "model"  # the request field that named the adapter, for errors about it
+    cache_salt: str | None = None  # the request's prefix-cache salt
+
+    def request_id(self, index: int) -> str:
+        return self.response_id if len(self.prompts) == 1 else f"{self.response_id}-{index}"
+
+
+@dataclass(slots=True)
+class _Delta:
+    """What one engine output adds to choice `index` of a stream."""
+
+    index: int
+    text: str  # never sent before
+    token_ids: list[int]  # the tokens generated since the previous delta
+    logprobs: list[PositionLogprobs] | None  # theirs, when asked for
+    output: RequestOutput  # the cumulative output (finish_reason, stop_reason)
+    sent: Mapping[int, RequestOutput]  # each choice's output as of its latest delta, this one included (shared)
+
+
+async def _merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+    """Items of every stream as they come, tagged with the stream's index; the first error ends all of them.
+
+    Closing this generator cancels the streams' pumps, which closes (and so aborts) each stream.
+    """
+    done: Final = object()
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((index, item))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        else:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_for_disconnect(request: Request[Any, Any, Any]) -> None:
+    # The body has been read, so the next ASGI message is the disconnect (or the end of the response).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ClientDisconnected
+        return task.result()
+    finally:
+        task.cancel()
+        watcher.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+def _usage(job: Job, outputs: Mapping[int, RequestOutput]) -> Usage:
+    """Usage of the whole job as of one output per choice (the final ones, for the final usage); a choice with no
+    output yet counts its prompt only."""
+    return Usage.of(
+        num_prompt_tokens=sum(len(p.token_ids) for p in job.prompts),
+        num_completion_tokens=sum(len(out.outputs[0].token_ids) for out in outputs.values()),
+        num_cached_tokens=sum(out.num_cached_tokens for out in outputs.values()),
+    )
+
+
+# --- the serving logic -------------------------------------------------------------------------------------------
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        loras: LoraRegistry | None = None,
+        *,
+        adapter_roots: AdapterRoots | None = None,
+        model_aliases: Sequence[str] = (),
+    ) -> None:
+        """`adapter_roots`: where a request's `lora_adapter` may point (None or empty: the field is refused);
+        `model_aliases`: other names of the base model in `model` (the name the platform knows it by)."""
+        self.engine = engine
+        self.model_name = engine.core.served_model_name
+        self.model_aliases = frozenset(model_aliases) - {self.model_name}
+        self.adapter_roots = adapter_roots if adapter_roots is not None else AdapterRoots()
+        self.max_model_len = engine.core.max_model_len
+        self.created = int(time.time())
+        self.loras = loras if loras is not None else LoraRegistry(engine, self.model_name)
+        self.metrics = EngineMetrics(engine.state, lambda: engine.is_healthy)
+        self.lora_metrics = LoraMetrics(self.metrics.registry, self.loras)
+
+    # validation, before any response byte
+
+    def _is_base_model(self, model: str | None) -> bool:
+        return model is None or model == self.model_name or model in self.model_aliases
+
+    def _check_model(self, model: str | None, adapter: LoraAdapterSpec | None) -> tuple[str, AdapterRef | None]:
+        """The name to echo and the adapter to run (None: the base model)."""
+        if not self.engine.is_healthy:
+            raise EngineDeadError("the engine has failed; restart it")
+        if adapter is not None:
+            return self._check_lora_adapter(model, adapter)
+        if model is None or self._is_base_model(model):
+            return model or self.model_name, None
+        lora = self.loras.get(model)
+        if lora is None:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist. This server serves `{self.model_name}` and its LoRA adapters "
+                "(GET /v1/models lists them).",
+                code="model_not_found",
+                param="model",
+            )
+        return model, lora
+
+    def _check_lora_adapter(self, model: str | None, adapter: LoraAdapterSpec) -> tuple[str, AdapterRef]:
+        # Roots first: a client that may not use the field learns that, not how to shape it.
+        source = self.adapter_roots.check(adapter.source)
+        if not self._is_base_model(model):
+            raise ApiError(
+                400,
+                f"With `lora_adapter`, `model` must name the base model `{self.model_name}`, not `{model}`.",
+                code="invalid_value",
+                param="model",
+            )
+        return model or self.model_name, AdapterRef(name=adapter.name, source=source, digest=adapter.digest)
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
+        try:
+            self.engine.core.check_request(token_ids, params)
+        except ContextLengthExceeded as exc:
+            exc.param = param
+            raise
+
+    def _job(
+        self,
+        kind: str,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompts: list[_Prompt],
+        params: SamplingParams,
+        arrived: float,
+        model: str,
+        lora: AdapterRef | None,
+    ) -> Job:
+        lora_param = LORA_ADAPTER_PARAM if body.lora_adapter is not None else "model"
+        job = Job(
+            f"{kind}-{secrets.token_hex(16)}",
+            int(time.time()),
+            prompts,
+            params,
+            arrived,
+            model,
+            lora,
+            lora_param,
+            body.cache_salt,
+        )
+        if body.unknown_fields:
+            logger.warning("%s: ignoring unknown fields %s", job.response_id, ", ".join(body.unknown_fields))
+        return job
+
+    async def _encode(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+        """`text`'s token ids; a text surely over the context is refused untokenized, and a long one is tokenized
+        in a worker thread (the tokenizer lets go of the GIL), so that it never stalls this server's other requests."""
+        core = self.engine.core
+        core.check_prompt_text(text, param)
+        if len(text) < OFFLOAD_TOKENIZE_CHARS:
+            return core.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(core.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def completion_job(self, body: CompletionRequest) -> Job:
+        arrived = time.perf_counter()
+        model, lora = self._check_model(body.model, body.lora_adapter)
+        params = body.sampling_params()
+        tokenizer = self.engine.core.tokenizer
+        prompts: list[_Prompt] = []
+        for prompt in body.prompts:
+            if isinstance(prompt, str):
+                prompts.append(_Prompt(await self._encode(prompt, add_special_tokens=True, param="prompt"), prompt))
+            else:
+                text = tokenizer.decode(prompt, skip_special_tokens=False) if body.echo else None
+                prompts.append(_Prompt(list(prompt), text))
+            self._check_prompt(prompts[-1].token_ids, params, "prompt")
+        return self._job("cmpl", body, prompts, params, arrived, model, lora)
+
+    async def chat_job(self, body: ChatCompletionRequest) -> Job:
+        arrived = time.perf_counter()
+        model, lora = self._check_model(body.model, body.lora_adapter)
+        params = body.sampling_params()
+        tokenizer = self.engine.core.tokenizer
+        text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt)
+        # The rendered template carries its own special tokens (BOS included): adding them again would double them.
+        prompt = _Prompt(await self._encode(text, add_special_tokens=False, param="messages"), text)
+        self._check_prompt(prompt.token_ids, params, "messages")
+        return self._job("chatcmpl", body, [prompt], params, arrived, model, lora)
+
+    # generation
+
+    async def _generate(self, job: Job, index: int) -> AsyncGenerator[RequestOutput, None]:
+        """One engine request's outputs; records its metrics and log line however it ends."""
+        request_id = job.request_id(index)
+        prompt = job.prompts[index]
+        first_token_at: float | None = None
+        last: RequestOutput | None = None
+        failed = False
+        try:
+            outputs = self.engine.generate(
+                prompt.token_ids, job.params, request_id, lora=job.lora, cache_salt=job.cache_salt
+            )
+            # Closing the generator is what aborts the request.
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    if first_token_at is None and output.outputs[0].token_ids:
+                        first_token_at = time.perf_counter()
+                    last = output
+                    yield output
+        except RequestFailed as exc:
+            failed = True
+            if exc.is_client_error:  # the adapter's fault: name the field that chose it
+                raise ApiError(400, str(exc), code="lora_adapter_load_failed", param=job.lora_param) from exc
+            raise
+        except Exception:
+            failed = True
+            raise
+        finally:
+            ended = time.perf_counter()
+            if last is not None and last.finished:
+                finish_reason = last.outputs[0].finish_reason or "stop"
+            else:
+                finish_reason = "error" if failed else "abort"
+            record = RequestRecord(
+                finish_reason=finish_reason,
+                num_prompt_tokens=len(prompt.token_ids),
+                num_cached_tokens=last.num_cached_tokens if last is not None else 0,
+                num_generated_tokens=len(last.outputs[0].token_ids) if last is not None else 0,
+                time_to_first_token_s=None if first_token_at is None else first_token_at - job.arrived,
+                latency_s=ended - job.arrived,
+                adapter=job.lora.name if job.lora is not None else "",
+            )
+            self.metrics.record(record)
+            if job.lora is not None:
+                self.lora_metrics.record(job.lora.name, finish_reason)
+            logger.info(
+                "%s: %s, %d prompt tokens (%d cached), %d generated, finish %s, first token %s, %.3f s",
+                request_id,
+                job.model if job.lora is None or job.lora.name == job.model else f"{job.model} + {job.lora}",
+                record.num_prompt_tokens,
+                record.num_cached_tokens,
+                record.num_generated_tokens,
+                finish_reason,
+                "-" if record.time_to_first_token_s is None else f"{record.time_to_first_token_s:.3f} s",
+                record.latency_s,
+            )
+
+    def _outputs(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        return _merge([self._generate(job, i) for i in range(len(job.prompts))])
+
+    async def _finals(self, job: Job) -> dict[int, RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async with contextlib.aclosing(self._outputs(job)) as outputs:
+            async for index, output in outputs:
+                finals[index] = output
+        return finals
+
+    async def _deltas(self, job: Job) -> AsyncGenerator[_Delta, None]:
+        """What each output adds to its choice; outputs that add no visible text (a held-back tail, a partial
+        character) are folded into the next one, so no chunk is empty but the finishing one."""
+        num_chars = [0] * len(job.prompts)
+        num_tokens = [0] * len(job.prompts)
+        sent: dict[int, RequestOutput] = {}
+        async with contextlib.aclosing(self._outputs(job)) as outputs:
+            async for index, output in outputs:
+                completion = output.outputs[0]
+                text = completion.text[num_chars[index] :]
+                if not text and not completion.finished:
+                    continue
+                start = num_tokens[index]
+                logprobs = completion.logprobs[start:] if completion.logprobs is not None else None
+                num_chars[index] = len(completion.text)
+                num_tokens[index] = len(completion.token_ids)
+                sent[index] = output
+                yield _Delta(index, text, completion.token_ids[start:], logprobs, output, sent)
+
+    # completions
+
+    async def complete(self, job: Job, body: CompletionRequest, request: Request[Any, Any, Any]) -> CompletionResponse:
+        finals = await _unless_disconnected(request, self._finals(job))
+        choices = []
+        for index, prompt in enumerate(job.prompts):
+            completion = finals[index].outputs[0]
+            logprobs = None
+            if body.logprobs is not None and completion.logprobs is not None:
+                logprobs, _ = CompletionLogprobs.of(completion.token_ids, completion.logprobs, 0)
+            echo = (prompt.text or "") if body.echo else ""
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=echo + completion.text,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+            )
+        return CompletionResponse(
+            id=job.response_id, created=job.created, model=job.model, choices=choices, usage=_usage(job, finals)
+        )
+
+    async def complete_stream(self, job: Job, body: CompletionRequest) -> AsyncGenerator[BaseModel, None]:
+        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionChunk:
+            return CompletionChunk(
+                id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
+            )
+
+        continuous = body.continuous_usage
+        if body.echo:
+            for index, prompt in enumerate(job.prompts):
+                yield chunk(
+                    [CompletionChoice(index=index, text=prompt.text or "")], _usage(job, {}) if continuous else None
+                )
+        text_offsets = [0] * len(job.prompts)
+        finals: dict[int, RequestOutput] = {}
+        async with contextlib.aclosing(self._deltas(job)) as deltas:
+            async for delta in deltas:
+                logprobs = None
+                if body.logprobs is not None and delta.logprobs is not None:
+                    logprobs, text_offsets[delta.index] = CompletionLogprobs.of(
+                        delta.token_ids, delta.logprobs, text_offsets[delta.index]
+                    )
+                if delta.output.finished:
+                    finals[delta.index] = delta.output
+                completion = delta.output.outputs[0]
+                choice = CompletionChoice(
+                    index=delta.index,
+                    text=delta.text,
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+                yield chunk([choice], _usage(job, delta.sent) if continuous else None)
+        if body.include_usage:
+            yield chunk([], _usage(job, finals))
+
+    # chat
+
+    async def chat(
+        self, job: Job, body: ChatCompletionRequest, request: Request[Any, Any, Any]
+    ) -> ChatCompletionResponse:
+        finals = await _unless_disconnected(request, self._finals(job))
+        completion = finals[0].outputs[0]
+        logprobs = None
+        if body.logprobs and completion.logprobs is not None:
+            logprobs = ChoiceLogprobs.of(completion.token_ids, completion.logprobs, body.top_logprobs or 0)
+        choice = ChatChoice(
+            index=0,
+            message=AssistantMessage(content=completion.text),
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+        return ChatCompletionResponse(
+            id=job.response_id, created=job.created, model=job.model, choices=[choice], usage=_usage(job, finals)
+        )
+
+    async def chat_stream(self, job: Job, body: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(
+                id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
+            )
+
+        continuous = body.continuous_usage
+        role = ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
+        yield chunk([role], _usage(job, {}) if continuous else None)
+        finals: dict[int, RequestOutput] = {}
+        async with contextlib.aclosing(self._deltas(job)) as deltas:
+            async for delta in deltas:
+                logprobs = None
+                if body.logprobs and delta.logprobs is not None:
+                    logprobs = ChoiceLogprobs.of(delta.token_ids, delta.logprobs, body.top_logprobs or 0)
+                if delta.output.finished:
+                    finals[delta.index] = delta.output
+                completion = delta.output.outputs[0]
+                choice = ChatChunkChoice(
+                    index=delta.index,
+                    delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+                yield chunk([choice], _usage(job, delta.sent) if continuous else None)
+        if body.include_usage:
+            yield chunk([], _usage(job, finals))
+
+    # operations
+
+    def models(self) -> ModelList:
+        """The base model, then every registered adapter, as vLLM lists them."""
+        cards = [
+            ModelCard(
+                id=self.model_name,
+                created=self.created,
+                root=str(self.engine.core.config.model),
+                max_model_len=self.max_model_len,
+            )
+        ]
+        for registered in self.loras.adapters():
+            cards.append(
+                ModelCard(
+                    id=registered.ref.name,
+                    created=registered.created,
+                    root=registered.ref.source,
+                    parent=self.model_name,
+                    max_model_len=self.max_model_len,
+                )
+            )
+        return ModelList(data=cards)
+
+    def state(self) -> dict[str, Any]:
+        state = self.engine.state()
+        pool = state.pool
+        return {
+            "model": self.model_name,
+            "max_model_len": self.max_model_len,
+            "healthy": self.engine.is_healthy,
+            "num_waiting": state.num_waiting,
+            "num_running": state.num_running,
+            "num_preemptions": state.num_preemptions,
+            "num_steps": state.num_steps,
+            "weight_bytes": state.weight_bytes,
+            "quantization": state.quantization,
+            "pool": {
+                "num_pages": pool.num_pages,
+                "num_free": pool.num_free,
+                "page_bytes": pool.page_bytes,
+                "by_kind": dict(pool.by_kind),
+                "num_evictable": pool.num_evictable,
+            },
+            "prefix_cache": {
+                "blocks": state.prefix_cache_blocks,
+                "queried_tokens": state.prefix_cache_queried_tokens,
+                "hit_tokens": state.prefix_cache_hit_tokens,
+            },
+            "adapters": self.loras.report(),
+        }
+
+
+__all__ = ["Job", "OpenAIServing"]
