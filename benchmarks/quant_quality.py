@@ -62,7 +62,7 @@ def prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     core = llm.engine
     core.add_request("probe", prompt, SamplingParams(temperature=0, max_tokens=1))
     prepared = core.runner.prepare(core.scheduler.schedule())
-    logits = core.model.compute_logits(core.model.forward(prepared.batch, core.runner.kv_caches, core.runner.lora))
+    logits = core.model.compute_logits(core.model.forward(prepared.batch, core.runner.kv_caches))
     core.abort_request("probe")
     return logits
 

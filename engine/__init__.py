@@ -1,7 +1,10 @@
 """loraplex data plane: model, memory pool, scheduler, engine server.
 
-`from loraplex.engine import LLM, SamplingParams` is the offline API; importing this package stays cheap (the
-names load on first use), so the platform can import engine submodules without pulling in torch.
+The public face: `from loraplex.engine import LLM, SamplingParams` is the offline API, `AsyncEngine` the one the
+server and the platform drive, and the rest is what callers outside the engine (the platform, the CLI) name. Other
+callers import only this package, `loraplex.engine.lora` (reading and validating PEFT adapters) and
+`loraplex.engine.serve` (the HTTP server and its commands), never the modules inside. Importing this package stays
+cheap: the names load on first use, so the platform can import it without pulling in torch.
 """
 
 from __future__ import annotations
@@ -9,23 +12,53 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from loraplex.engine.core.config import EngineConfig
+    from loraplex.engine.core.config import EngineConfig, parse_memory_budget
     from loraplex.engine.core.outputs import CompletionOutput, RequestOutput
     from loraplex.engine.core.sampling_params import SamplingParams
-    from loraplex.engine.lora.ref import LoRARequest
+    from loraplex.engine.errors import CheckpointError, EngineError, RequestError
+    from loraplex.engine.lora.manager import AdapterState
+    from loraplex.engine.lora.ref import AdapterRef, LoRARequest
+    from loraplex.engine.model.config import ModelConfig
+    from loraplex.engine.model.quantization import QUANTIZATIONS, QuantizationName
     from loraplex.engine.serve.async_engine import AsyncEngine
     from loraplex.engine.serve.llm import LLM
 
-__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "QUANTIZATIONS",
+    "AdapterRef",
+    "AdapterState",
+    "AsyncEngine",
+    "CheckpointError",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineError",
+    "LoRARequest",
+    "ModelConfig",
+    "QuantizationName",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+    "parse_memory_budget",
+]
 
 _WHERE = {
     "LLM": "loraplex.engine.serve.llm",
-    "LoRARequest": "loraplex.engine.lora.ref",
     "AsyncEngine": "loraplex.engine.serve.async_engine",
     "EngineConfig": "loraplex.engine.core.config",
+    "parse_memory_budget": "loraplex.engine.core.config",
     "CompletionOutput": "loraplex.engine.core.outputs",
     "RequestOutput": "loraplex.engine.core.outputs",
     "SamplingParams": "loraplex.engine.core.sampling_params",
+    "CheckpointError": "loraplex.engine.errors",
+    "EngineError": "loraplex.engine.errors",
+    "RequestError": "loraplex.engine.errors",
+    "AdapterState": "loraplex.engine.lora.manager",
+    "AdapterRef": "loraplex.engine.lora.ref",
+    "LoRARequest": "loraplex.engine.lora.ref",
+    "ModelConfig": "loraplex.engine.model.config",
+    "QUANTIZATIONS": "loraplex.engine.model.quantization",
+    "QuantizationName": "loraplex.engine.model.quantization",
 }
 
 

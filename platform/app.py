@@ -14,7 +14,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
 from litestar.plugins.pydantic import PydanticPlugin
 
-from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
+from loraplex.engine.serve import GuardedRequest, refuse_nul_bytes
 from loraplex.platform.dependencies import (
     provide_admin,
     provide_db,

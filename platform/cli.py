@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import click
 from pydantic import SecretStr
 
+from loraplex.engine.serve import configure_logging
+from loraplex.engine.serve import engine as engine_commands
 from loraplex.platform.settings import Settings, SettingsError, load_settings, placeholder_secrets
 
 T = TypeVar("T")
@@ -37,10 +39,6 @@ def _run(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
         raise click.ClickException(str(exc)) from None
     except ApiError as exc:
         raise click.ClickException(exc.message) from None
-
-
-def _configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _ensure_data_dir(settings: Settings) -> None:
@@ -104,7 +102,7 @@ def dev(host: str | None, port: int | None, data_dir: Path | None) -> None:
     """Run the embedded default: one process with SQLite, a local object store and an in-process engine."""
     from loraplex.platform.resources import read_or_create_secret
 
-    _configure_logging()
+    configure_logging()
     settings = _settings(host=host, port=port, data_dir=data_dir)
     if settings.admin_token is None:
         token = read_or_create_secret(settings.data_dir / "admin_token")
@@ -141,7 +139,7 @@ def platform() -> None:
 @click.option("--port", type=int, default=None, help="Port to bind (LORAPLEX_PORT).")
 def platform_serve(host: str | None, port: int | None) -> None:
     """Serve the platform API with the configured database, Redis and object store."""
-    _configure_logging()
+    configure_logging()
     settings = _settings(host=host, port=port)
     if settings.profile != "dev" and (names := placeholder_secrets(settings)):
         raise click.ClickException(
@@ -152,311 +150,6 @@ def platform_serve(host: str | None, port: int | None) -> None:
 
 
 @main.group()
-def engine() -> None:
-    """The data plane: one engine process per base model and GPU."""
-
-
-@engine.command("serve")
-@click.option(
-    "--model",
-    "model_path",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    required=True,
-    help="A Hugging Face model folder (config.json, *.safetensors, tokenizer.json).",
-)
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8100, show_default=True, help="Port to bind.")
-@click.option(
-    "--dtype",
-    type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
-    default="auto",
-    show_default=True,
-    help="Weight and KV dtype; auto is the checkpoint's (float32 for half checkpoints on a CPU).",
-)
-@click.option(
-    "--quantization",
-    type=click.Choice(["int8", "int4"]),
-    default=None,
-    help="Quantize the decoder layers' weights at load (weight-only, round to nearest): int8 per output channel, "
-    "int4 in groups of 128 with zero points. Embeddings, lm_head and LoRA adapters stay in --dtype. GPTQ and AWQ "
-    "4-bit checkpoints are recognized from their config and served as they are: leave this unset for them.",
-)
-@click.option(
-    "--max-model-len", type=click.IntRange(min=1), default=None, help="Context length cap (default: the model's)."
-)
-@click.option(
-    "--kv-budget",
-    default=None,
-    help="Page pool size: bytes (2GiB, 512MiB) or a fraction of the memory free after loading (default 0.5).",
-)
-@click.option(
-    "--gpu-memory-utilization",
-    type=click.FloatRange(0, 1, min_open=True),
-    default=None,
-    help="vLLM's name for --kv-budget as a fraction.",
-)
-@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block (8 to 128).")
-@click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Requests running at once.")
-@click.option("--max-num-batched-tokens", type=int, default=4096, show_default=True, help="Token budget of one step.")
-@click.option(
-    "--enable-prefix-caching/--no-enable-prefix-caching",
-    default=True,
-    show_default=True,
-    help="Reuse the KV of full blocks a prompt starts with (kept apart per cache_salt and per adapter).",
-)
-@click.option("--served-model-name", default=None, help="The model name clients send (default: the folder's name).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of unseeded sampling.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--num-threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
-@click.option(
-    "--lora",
-    "lora_modules",
-    multiple=True,
-    metavar="NAME=PATH",
-    help="Serve a LoRA adapter as model NAME: a folder PEFT's save_pretrained wrote, or s3://bucket/prefix. "
-    "Repeatable; more can be loaded at run time with POST /v1/load_lora_adapter.",
-)
-@click.option(
-    "--max-loras",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="Adapters resident in the pool at once.",
-)
-@click.option(
-    "--max-lora-rank",
-    type=click.IntRange(1, 1024),
-    default=128,
-    show_default=True,
-    help="The largest adapter rank accepted.",
-)
-@click.option(
-    "--max-adapters-per-batch",
-    type=click.IntRange(min=1),
-    default=32,
-    show_default=True,
-    help="Distinct adapters in one step.",
-)
-@click.option("--s3-endpoint-url", default=None, help="S3 endpoint for s3:// adapters (MinIO, SeaweedFS, AWS).")
-@click.option(
-    "--adapter-root",
-    "adapter_roots",
-    multiple=True,
-    metavar="FOLDER|s3://BUCKET/PREFIX",
-    help="Accept a request's own adapter (the `lora_adapter` field: name, source, digest) from under this folder or "
-    "S3 prefix. Repeatable; without it the field is refused. Name only places a trusted caller (the platform) "
-    "writes to: any client that reaches this server can make it read adapters there.",
-)
-@click.option("--redis-url", default=None, help="Register this engine in the fleet's Redis registry (redis://...).")
-@click.option(
-    "--redis-prefix",
-    default="loraplex:",
-    show_default=True,
-    help="Prefix of the registry's keys (the platform's Redis key prefix).",
-)
-@click.option("--engine-id", default=None, help="This engine's id in the registry (default: hostname:port).")
-@click.option(
-    "--public-url",
-    default=None,
-    help="The URL the platform calls this engine at (default: http://host:port, the hostname for 0.0.0.0).",
-)
-@click.option(
-    "--base-model-name",
-    default=None,
-    help="The platform's name of the base model, for the registry; also accepted as `model` (default: the served "
-    "model name).",
-)
-@click.option(
-    "--api-key",
-    envvar="LORAPLEX_ENGINE_API_KEY",
-    default=None,
-    help="Require this bearer token on every /v1 route (vLLM's --api-key); the platform sends its "
-    "LORAPLEX_ENGINE_API_KEY. Read from LORAPLEX_ENGINE_API_KEY when not given, which keeps it out of `ps`.",
-)
-def engine_serve(
-    model_path: Path,
-    host: str,
-    port: int,
-    dtype: str,
-    quantization: str | None,
-    max_model_len: int | None,
-    kv_budget: str | None,
-    gpu_memory_utilization: float | None,
-    block_size: int,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    enable_prefix_caching: bool,
-    served_model_name: str | None,
-    seed: int,
-    device: str,
-    num_threads: int | None,
-    lora_modules: tuple[str, ...],
-    max_loras: int,
-    max_lora_rank: int,
-    max_adapters_per_batch: int,
-    s3_endpoint_url: str | None,
-    adapter_roots: tuple[str, ...],
-    redis_url: str | None,
-    redis_prefix: str,
-    engine_id: str | None,
-    public_url: str | None,
-    base_model_name: str | None,
-    api_key: str | None,
-) -> None:
-    """Serve one model and its LoRA adapters over OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions,
-    /v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter); with --redis-url, register it in the fleet."""
-    from dataclasses import fields
-
-    import torch
-
-    from loraplex.engine.core.config import EngineConfig
-    from loraplex.engine.errors import CheckpointError
-    from loraplex.engine.lora.ref import S3_SCHEME, LoRARequest
-    from loraplex.engine.serve.lora_registry import AdapterRoots
-    from loraplex.engine.serve.registration import RegistrationConfig, default_engine_id, default_public_url
-    from loraplex.engine.serve.server import serve
-    from loraplex.platform.settings import parse_memory_budget
-
-    if kv_budget is not None and gpu_memory_utilization is not None:
-        raise click.UsageError("give --kv-budget or --gpu-memory-utilization, not both")
-    budget: int | float = 0.5 if gpu_memory_utilization is None else gpu_memory_utilization
-    if kv_budget is not None:
-        try:
-            budget = parse_memory_budget(kv_budget)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--kv-budget") from None
-    loras: list[LoRARequest] = []
-    for spec in lora_modules:
-        name, _, path = spec.partition("=")
-        if not name.strip() or not path.strip():
-            raise click.BadParameter(f"{spec!r} is not NAME=PATH", param_hint="--lora")
-        loras.append(LoRARequest(name.strip(), path.strip()))
-    if device != "auto":
-        try:
-            resolved = torch.device(device)
-        except RuntimeError:
-            raise click.BadParameter(f"{device!r} is not a torch device", param_hint="--device") from None
-        if resolved.type == "cuda" and not torch.cuda.is_available():
-            raise click.BadParameter("CUDA is not available on this machine", param_hint="--device")
-    # A relative folder means the one it names now, not wherever the server's working directory is later.
-    roots = [root if root.startswith(S3_SCHEME) else str(Path(root).absolute()) for root in adapter_roots]
-    try:
-        AdapterRoots(roots)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--adapter-root") from None
-    if api_key is not None and not api_key.strip():
-        raise click.BadParameter("must not be empty", param_hint="--api-key")
-    registration = None
-    fleet_options = {"--engine-id": engine_id, "--public-url": public_url, "--base-model-name": base_model_name}
-    if redis_url is None:
-        if given := [option for option, value in fleet_options.items() if value is not None]:
-            raise click.UsageError(f"{', '.join(given)} only matter with --redis-url")
-    else:
-        if port == 0 and (engine_id is None or public_url is None):
-            raise click.UsageError("with --port 0 and --redis-url, give --engine-id and --public-url")
-        try:
-            registration = RegistrationConfig(
-                redis_url=redis_url,
-                engine_id=engine_id or default_engine_id(port),
-                url=public_url or default_public_url(host, port),
-                base_model=base_model_name,
-                prefix=redis_prefix,
-            )
-        except ValueError as exc:
-            # RegistrationConfig's messages start with the field's name: point at the option that set it.
-            field_options = {"redis_url": "--redis-url", "engine_id": "--engine-id", "url": "--public-url"}
-            option = next((o for f, o in field_options.items() if str(exc).startswith(f)), "--base-model-name")
-            raise click.BadParameter(str(exc), param_hint=option) from None
-    try:
-        config = EngineConfig(
-            model=model_path,
-            dtype=dtype,  # type: ignore[arg-type]  # click.Choice checked it
-            quantization=quantization,  # type: ignore[arg-type]  # click.Choice checked it
-            device=device,
-            max_model_len=max_model_len,
-            kv_budget=budget,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            num_threads=num_threads,
-            served_model_name=served_model_name,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            max_adapters_per_batch=max_adapters_per_batch,
-            s3_endpoint_url=s3_endpoint_url,
-        )
-    except ValueError as exc:
-        # EngineConfig's messages start with the field's name; point at the option that set it.
-        message = str(exc)
-        field = next((f.name for f in fields(EngineConfig) if message.startswith(f.name)), None)
-        hint = f"--{field.replace('_', '-')}" if field else None
-        raise click.BadParameter(message, param_hint=hint) from None
-
-    _configure_logging()
-    try:
-        asyncio.run(
-            serve(
-                config,
-                host=host,
-                port=port,
-                lora_modules=loras,
-                adapter_roots=roots,
-                registration=registration,
-                api_key=api_key,
-            )
-        )
-    except (CheckpointError, ValueError) as exc:
-        # A bad model folder, a context or budget the model and memory cannot honour, or an adapter that cannot be
-        # served (LoraModuleError names it): the message says which.
-        raise click.ClickException(str(exc)) from None
-
-
-@engine.command("demo-model")
-@click.argument("path", type=click.Path(path_type=Path))
-@click.option(
-    "--size",
-    type=click.Choice(["demo", "benchmark"]),
-    default="demo",
-    show_default=True,
-    help="demo: 4M parameters, quick on a laptop; benchmark: the ~56M-parameter model of benchmarks/.",
-)
-def engine_demo_model(path: Path, size: str) -> None:
-    """Write a random Llama checkpoint with a real tokenizer into PATH (no download needed)."""
-    import dataclasses
-
-    from loraplex.engine.tools.demo import BENCHMARK_SPEC, DEMO_SPEC, write_random_model
-
-    if path.exists() and any(path.iterdir()):
-        raise click.ClickException(f"{path} is not empty")
-    spec = DEMO_SPEC if size == "demo" else dataclasses.replace(BENCHMARK_SPEC, torch_dtype="float32")
-    written = write_random_model(path, spec)
-    click.echo(f"wrote a random {spec.num_parameters / 1e6:.1f}M-parameter {spec.architecture} model to {written}")
-
-
-@engine.command("demo-adapter")
-@click.argument("path", type=click.Path(path_type=Path))
-@click.option("--model", "model_path", type=click.Path(path_type=Path), required=True, help="The base model folder.")
-@click.option("--rank", type=int, default=8, show_default=True, help="LoRA rank.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
-def engine_demo_adapter(path: Path, model_path: Path, rank: int, seed: int) -> None:
-    """Write a random LoRA adapter for MODEL into PATH, in PEFT's format (all linear layers)."""
-    from loraplex.engine.errors import CheckpointError
-    from loraplex.engine.model.config import ModelConfig
-    from loraplex.engine.tools.demo_adapter import write_random_adapter
-
-    if path.exists() and any(path.iterdir()):
-        raise click.ClickException(f"{path} is not empty")
-    try:
-        config = ModelConfig.from_dir(model_path)
-        written = write_random_adapter(path, config, rank=rank, seed=seed, init_std=0.05)
-    except (CheckpointError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(f"wrote a random rank-{rank} LoRA adapter for {model_path} to {written}")
-
-
-@main.group()
 def db() -> None:
     """Database schema."""
 
@@ -464,7 +157,7 @@ def db() -> None:
 @db.command("upgrade")
 def db_upgrade() -> None:
     """Migrate the configured database to the newest schema (safe to run again)."""
-    _configure_logging("WARNING")
+    configure_logging("WARNING")
     settings = _settings()
     revision = _run(lambda: _upgrade(settings))
     click.echo(f"database is at revision {revision}")
@@ -531,3 +224,7 @@ def admin_create_key(tenant_id: uuid.UUID | None, name: str | None) -> None:
             await resources.close()
 
     click.echo(_run(create))
+
+
+# `loraplex engine ...`: the engine's own commands, which need nothing of the platform.
+main.add_command(engine_commands)

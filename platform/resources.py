@@ -13,7 +13,7 @@ from pathlib import Path
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from loraplex.engine.serve.async_engine import AsyncEngine as EngineRuntime
+from loraplex.engine import AsyncEngine as EngineRuntime
 from loraplex.platform.auth import Authenticator
 from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.db.migrate import ensure_at_head

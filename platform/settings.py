@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from loraplex.engine import parse_memory_budget
+
 ENV_PREFIX = "LORAPLEX_"
 # What compose.yaml's placeholder secrets start with: `platform serve` refuses them outside the dev profile.
 PLACEHOLDER_PREFIX = "change-me"
@@ -257,35 +259,6 @@ def normalize_database_url(value: str) -> str:
     if _ASYNC_DRIVERS[scheme].startswith("sqlite") and not rest.startswith("/"):
         raise ValueError("a SQLite URL needs three slashes and a file path: sqlite:///path/to/file.db")
     return f"{_ASYNC_DRIVERS[scheme]}://{rest}"
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_memory_budget(value: str) -> int | float:
-    """`0.5` -> 0.5 (a fraction of free memory); `2GiB` -> 2147483648 bytes. Raise ValueError otherwise."""
-    text = value.strip().upper().replace(" ", "")
-    try:
-        number = float(text)
-    except ValueError:
-        pass
-    else:
-        if 0 < number <= 1:
-            return number
-        if number > 1 and number.is_integer():
-            return int(number)
-        raise ValueError("must be a fraction in (0, 1] or a size in bytes such as 2GiB")
-    digits = text.rstrip("KMGIB")
-    unit = text[len(digits) :]
-    if unit not in _UNITS or not digits:
-        raise ValueError("must be a fraction in (0, 1] or a size in bytes such as 2GiB")
-    try:
-        size = float(digits) * _UNITS[unit]
-    except ValueError:
-        raise ValueError("must be a fraction in (0, 1] or a size in bytes such as 2GiB") from None
-    if size < 1:
-        raise ValueError("must be a positive size")
-    return int(size)
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -19,7 +19,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from loraplex.platform.cli import engine_serve, main
+from loraplex.engine.serve.cli import engine_serve
+from loraplex.platform.cli import main
 from loraplex.platform.settings import ENV_PREFIX, Settings, load_settings, placeholder_secrets
 
 pytestmark = pytest.mark.unit

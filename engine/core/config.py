@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from loraplex.engine.model.quantization import QUANTIZATIONS, QuantizationName
+
+if TYPE_CHECKING:
+    import torch
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
-# Weight-only quantization of the decoder layers' projections, done at load from a 16/32-bit checkpoint.
-QuantizationName = Literal["int8", "int4"]
-QUANTIZATIONS: tuple[QuantizationName, ...] = ("int8", "int4")
-
-_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +50,7 @@ class EngineConfig:
     s3_secret_access_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", *_DTYPES):
+        if self.dtype not in ("auto", *_DTYPE_NAMES):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None, 'int8' or 'int4', not {self.quantization!r}")
@@ -77,14 +76,50 @@ class EngineConfig:
             raise ValueError("max_lora_rank must be between 1 and 1024")
 
     def resolve_device(self) -> torch.device:
+        import torch  # here, not at the top: the platform reads configs without loading torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            dtype: torch.dtype = getattr(torch, self.dtype)
+            return dtype
         # Half-precision matmuls are slow on most CPUs; auto keeps them for accelerators.
         if device.type == "cpu" and checkpoint_dtype in (torch.float16, torch.bfloat16):
             return torch.float32
         return checkpoint_dtype
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_BUDGET_FORMS = "must be a fraction in (0, 1] or a size in bytes such as 2GiB"
+
+
+def parse_memory_budget(value: str) -> int | float:
+    """A page pool budget as people write it: `0.5` -> 0.5 (a fraction of free memory), `2GiB` -> 2147483648 bytes.
+    Raise ValueError otherwise. The engine's --kv-budget and the platform's LORAPLEX_ENGINE_KV_BUDGET read it."""
+    text = value.strip().upper().replace(" ", "")
+    try:
+        number = float(text)
+    except ValueError:
+        pass
+    else:
+        if 0 < number <= 1:
+            return number
+        if number > 1 and number.is_integer():
+            return int(number)
+        raise ValueError(_BUDGET_FORMS)
+    digits = text.rstrip("KMGIB")
+    unit = text[len(digits) :]
+    if unit not in _UNITS or not digits:
+        raise ValueError(_BUDGET_FORMS)
+    try:
+        size = float(digits) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(_BUDGET_FORMS) from None
+    if size < 1:
+        raise ValueError("must be a positive size")
+    return int(size)

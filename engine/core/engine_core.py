@@ -17,6 +17,7 @@ from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.output_processor import OutputProcessor
 from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.core.request import Request, RequestStatus
+from loraplex.engine.core.request_memory import RequestMemory
 from loraplex.engine.core.runner import ModelRunner
 from loraplex.engine.core.sampler import Sampler, SamplingMetadata
 from loraplex.engine.core.sampling_params import SamplingParams
@@ -109,8 +110,7 @@ class EngineCore:
                 watermark_pages=max(1, self.pool.num_pages // 100),
                 max_adapters_per_batch=config.max_adapters_per_batch,
             ),
-            self.kv,
-            self.adapters,
+            RequestMemory(self.kv, self.adapters),
         )
         self.runner = ModelRunner(
             self.model,
@@ -202,8 +202,6 @@ class EngineCore:
             adapter=self.adapters.request(lora) if lora is not None else None,
             cache_salt=cache_salt,
         )
-        if request.adapter is not None:
-            request.adapter.num_requests += 1
         self.requests[request_id] = request
         self.outputs.add(request)
         self.scheduler.add(request)
@@ -269,9 +267,7 @@ class EngineCore:
             return outputs
         prepared = self.runner.prepare(sched)
         logits = self.runner.execute(prepared)
-        for scheduled in sched.scheduled:
-            scheduled.request.num_computed_tokens += scheduled.num_new_tokens
-            self.kv.cache_computed(scheduled.request)
+        self.scheduler.update_from_output(sched)
         self.num_steps += 1
 
         rows = prepared.sample_requests
@@ -308,8 +304,6 @@ class EngineCore:
         return outputs
 
     def _finalize(self, request: Request) -> RequestOutput:
-        if request.adapter is not None:
-            self.adapters.request_finished(request.adapter)
         output = self.outputs.make_output(request)
         self.outputs.remove(request.request_id)
         del self.requests[request.request_id]

@@ -1,4 +1,8 @@
-"""A request's state inside the engine: its tokens, how many have KV in the cache, and its blocks."""
+"""A request's state inside the engine: its tokens, how many have KV in the cache, and its blocks.
+
+Its fields are written by the scheduler (status, computed tokens, preemptions, cached tokens) and the output
+processor (output tokens, stop reason) only; its KV blocks are the memory package's `SequenceBlocks`, which the KV
+cache manager alone writes. It is a `KVSequence`: what the memory package reads of a sequence."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import torch
 
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.lora.manager import AdapterEntry
-from loraplex.engine.memory.page_pool import PageId
+from loraplex.engine.memory.sequence import SequenceBlocks
 
 
 class RequestStatus(enum.Enum):
@@ -37,20 +41,22 @@ class Request:
     generator: torch.Generator | None = None  # per-request randomness when the request has a seed
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_ids: list[PageId] = field(default_factory=list)
+    blocks: SequenceBlocks = field(default_factory=SequenceBlocks)  # its KV blocks (the KV cache manager's)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at the first admission)
     cache_salt: str | None = None  # set by a trusted caller (the platform: per tenant); part of block 0's hash
-    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, filled in by the prefix cache
-    num_offered_blocks: int = 0  # leading full blocks already offered to the prefix cache (while it holds them)
     adapter: AdapterEntry | None = None  # None: the base model
     error: str | None = None  # why it finished with FINISHED_ERROR
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def adapter_digest(self) -> str | None:
+        return self.adapter.ref.digest if self.adapter is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from loraplex.engine.core.request import Request
 from loraplex.engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from loraplex.engine.lora.batch import LoraBatch, LoraCompute, LoraSegment
+from loraplex.engine.lora.batch import LoraBatch, LoraCompute, LoraSegment, LoraStep
 from loraplex.engine.memory.page_pool import KVLayer, kv_rows
 from loraplex.engine.model.forward_batch import ForwardBatch
 from loraplex.engine.model.llama import LlamaModel
@@ -52,12 +52,13 @@ class ModelRunner:
         np.cumsum(query_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
 
-        max_blocks = max(len(s.request.block_ids) for s in scheduled)
+        max_blocks = max(len(s.request.blocks.block_ids) for s in scheduled)
         block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
         input_ids: list[int] = []
         for i, s in enumerate(scheduled):
             request = s.request
-            block_tables[i, : len(request.block_ids)] = request.block_ids
+            block_ids = request.blocks.block_ids
+            block_tables[i, : len(block_ids)] = block_ids
             input_ids.extend(request.tokens(int(starts[i]), int(seq_lens[i])))
 
         # positions[t] = starts[seq] + (t - query_start_loc[seq]) for every token t, without a Python loop.
@@ -94,12 +95,13 @@ class ModelRunner:
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        batch.lora = _lora_segments(scheduled, query_start_loc, self.device)
+        segments = _lora_segments(scheduled, query_start_loc, self.device)
+        batch.lora = LoraStep(self.lora, segments) if self.lora is not None and segments else None
         return PreparedStep(batch=batch, sample_requests=sample_requests)
 
     def execute(self, step: PreparedStep) -> torch.Tensor:
         """float32 logits [len(step.sample_requests), vocab]."""
-        hidden = self.model.forward(step.batch, self.kv_caches, self.lora)
+        hidden = self.model.forward(step.batch, self.kv_caches)
         return self.model.compute_logits(hidden[step.batch.logits_indices])
 
 

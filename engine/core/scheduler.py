@@ -13,8 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from loraplex.engine.core.request import Request, RequestStatus
-from loraplex.engine.lora.manager import AdapterManager, AdapterState
-from loraplex.engine.memory.kv_cache import KVCacheManager
+from loraplex.engine.core.request_memory import Refusal, RequestMemory
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +50,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, adapters: AdapterManager | None = None) -> None:
+    """Decides each step and keeps the books after it. Writes the requests' scheduling fields (status, computed
+    tokens, preemptions, cached tokens); meets device memory only through `RequestMemory`."""
+
+    def __init__(self, config: SchedulerConfig, memory: RequestMemory) -> None:
         self.config = config
-        self.kv = kv
-        self.adapters = adapters
+        self.memory = memory
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._running_adapters: dict[str, int] = {}  # digest -> running requests with it
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        self.memory.queued(request)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -74,14 +76,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.can_allocate(request, num_new):
+            while not self.memory.can_grow(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                self.kv.allocate(request, num_new)
+                self.memory.grow(request, num_new)
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
                 i += 1
@@ -98,73 +100,70 @@ class Scheduler:
         """Start waiting requests in arrival order while budget, sequence slots and pages last.
 
         A request whose adapter is still loading is passed over, so resident adapters' requests go first and the
-        load never stalls the queue. A request held back by the adapter cap, or by a loaded adapter with no pool
-        room yet, stops admission instead: nothing that arrived later overtakes it, so it starts as soon as the
-        requests already running drain (a bounded wait), never starved by newcomers of popular adapters.
+        load never stalls the queue. A request held back by the adapter cap, or by the pool's room (for its blocks
+        or its loaded adapter), stops admission instead: nothing that arrived later overtakes it, so it starts as
+        soon as the requests already running drain (a bounded wait), never starved by newcomers of popular adapters.
         """
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
-            entry = request.adapter
-            if entry is not None:
-                assert self.adapters is not None
-                new_adapter = entry.ref.digest not in self._running_adapters
-                if new_adapter and len(self._running_adapters) >= self.config.max_adapters_per_batch:
-                    break
-                if not self.adapters.try_place(entry):
-                    if entry.state is AdapterState.LOADED:
-                        break  # loaded, waiting for pool room that running requests will give back
-                    i += 1  # still loading (or failed: the engine finishes it): look further
-                    continue
-                self.adapters.acquire(entry)  # pinned before KV allocation may evict idle adapters
-            self.kv.match_prefix(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.can_allocate(request, num_new, reserve=self.config.watermark_pages):
-                self.kv.free(request)  # the matched prefix goes back to the cache
-                request.num_computed_tokens = 0
-                if entry is not None:
-                    assert self.adapters is not None
-                    self.adapters.release(entry)
+            digest = request.adapter_digest
+            new_adapter = digest is not None and digest not in self._running_adapters
+            if new_adapter and len(self._running_adapters) >= self.config.max_adapters_per_batch:
+                break
+            admission = self.memory.admit(request, budget, reserve=self.config.watermark_pages)
+            if admission is Refusal.ADAPTER_NOT_READY:
+                i += 1  # still loading (or failed: the engine finishes it): look further
+                continue
+            if admission is Refusal.NO_ROOM:
                 break
             del self.waiting[i]
-            self.kv.allocate(request, num_new)
-            self.kv.admitted(request)
+            request.num_computed_tokens = admission.num_cached_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = min(admission.num_cached_tokens, request.num_prompt_tokens)
+                self.memory.record_first_start(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            if entry is not None:
-                self._running_adapters[entry.ref.digest] = self._running_adapters.get(entry.ref.digest, 0) + 1
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            if digest is not None:
+                self._running_adapters[digest] = self._running_adapters.get(digest, 0) + 1
+            out.scheduled.append(ScheduledRequest(request, admission.num_new_tokens))
+            budget -= admission.num_new_tokens
         return budget
 
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """After the step ran: each scheduled request's new tokens have K/V, and its newly full blocks go to the
+        prefix cache."""
+        for scheduled in out.scheduled:
+            scheduled.request.num_computed_tokens += scheduled.num_new_tokens
+            self.memory.computed(scheduled.request)
+
     def _stop_running(self, request: Request) -> None:
-        """Bookkeeping when a request leaves the running list (preempted or finished)."""
-        entry = request.adapter
-        if entry is None:
+        """A request leaves the running list (preempted or finished): its blocks go back, its adapter is unpinned."""
+        self.memory.release(request, running=True)
+        digest = request.adapter_digest
+        if digest is None:
             return
-        assert self.adapters is not None
-        digest = entry.ref.digest
         left = self._running_adapters[digest] - 1
         if left:
             self._running_adapters[digest] = left
         else:
             del self._running_adapters[digest]
-        self.adapters.release(entry)
 
     def _preempt(self, request: Request) -> None:
         self._stop_running(request)
-        self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Take a request out of the queues and give back its pages (finished or aborted)."""
-        self.kv.free(request)
+        """Take a request out of the queues and give back its memory (finished, aborted or failed)."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._stop_running(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        else:
+            self.memory.release(request, running=False)
+            if request in self.waiting:
+                self.waiting.remove(request)
+        self.memory.finished(request)
         request.status = status

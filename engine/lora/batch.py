@@ -73,6 +73,17 @@ class _GroupTable:
     modules: tuple[_ModuleTable, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class LoraStep:
+    """One step's segments bound to the compute: the model's `LoraDelta` for that step."""
+
+    compute: LoraCompute
+    batch: LoraBatch
+
+    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.compute.add(self.batch, layer, group, x, y)
+
+
 class LoraCompute:
     """Adds adapters' deltas to the outputs of the base model's fused projections, reading weights in the pool.
 

@@ -236,12 +236,7 @@ class AdapterManager:
                 return False
         need = entry.layout.num_pages
         if need + self.reserved_pages > self.pool.num_pages:
-            entry.state = AdapterState.FAILED
-            entry.error = AdapterError(
-                f"adapter {entry.ref.name} needs {need} pages and one request up to {self.reserved_pages}, "
-                f"but the pool has {self.pool.num_pages}: raise the engine's KV budget"
-            )
-            self._failed.append(entry)
+            self._fail_too_large(entry, need)
             return False
         if not self.pool.can_allocate(need):
             return False
@@ -266,6 +261,14 @@ class AdapterManager:
         self._maybe_idle(entry)
         self._trim_host()
         return True
+
+    def _fail_too_large(self, entry: AdapterEntry, need: int) -> None:
+        entry.state = AdapterState.FAILED
+        entry.error = AdapterError(
+            f"adapter {entry.ref.name} needs {need} pages and one request up to {self.reserved_pages}, "
+            f"but the pool has {self.pool.num_pages}: raise the engine's KV budget"
+        )
+        self._failed.append(entry)
 
     def _write(self, layer: int, pages: list[PageId], packed: torch.Tensor) -> None:
         flat = self.pool.storage[layer].view(-1)
@@ -300,6 +303,38 @@ class AdapterManager:
         self._trim_host()
 
     # --- use by requests -----------------------------------------------------------------------------------------
+
+    def request_started(self, entry: AdapterEntry) -> None:
+        """A request that names this adapter has been queued: the entry is kept until it finishes."""
+        entry.num_requests += 1
+
+    def admission_pages(self, entry: AdapterEntry) -> int | None:
+        """How many of the pool's free and evictable pages starting a request with this adapter uses, deciding
+        nothing in the pool: 0 when it is resident and pinned already, its pages when resident and idle (pinning
+        takes them off the eviction list), its layout's when loaded (placing allocates them). None when it cannot
+        be placed now: still loading (an adapter dropped from both tiers is asked for again), loaded without a slot
+        free or freeable, or too large for this pool (it fails, and `poll` reports it)."""
+        if entry.state is AdapterState.RESIDENT:
+            return len(entry.pages) if entry.num_running == 0 else 0
+        if entry.state is AdapterState.ABSENT:
+            self.request(entry.ref)
+            return None
+        if entry.state is not AdapterState.LOADED or entry.layout is None or entry.host is None:
+            return None
+        if all(s is not None for s in self.slots) and not any(e.num_running == 0 for e in self.resident()):
+            return None
+        need = entry.layout.num_pages
+        if need + self.reserved_pages > self.pool.num_pages:
+            self._fail_too_large(entry, need)
+            return None
+        return need
+
+    def place_and_pin(self, entry: AdapterEntry) -> None:
+        """Make the adapter resident (if it is not) and pin it for a request that starts running; only after
+        `admission_pages` said it fits, and the pool has that room."""
+        placed = self.try_place(entry)
+        assert placed, f"adapter {entry.ref.name} did not fit where admission found room"
+        self.acquire(entry)
 
     def acquire(self, entry: AdapterEntry) -> None:
         """A request starts running with this (resident) adapter: pin it."""

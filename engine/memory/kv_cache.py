@@ -1,66 +1,108 @@
-"""KV cache bookkeeping: which pages hold each request's keys and values, and which of them the prefix cache
-shares between requests."""
+"""KV cache bookkeeping: which pages hold each sequence's keys and values, and which of them the prefix cache
+shares between sequences.
+
+The manager knows a sequence through `KVSequence`, what it reads of one (the engine's `Request` is one), and keeps
+its own state of each in the sequence's `SequenceBlocks`, which nothing else writes. Admission comes in two halves
+so that a caller holding other memory too (an adapter) can decide all of it before anything changes:
+`find_prefix` and `admission_pages` only read; `take_prefix` and `grow` then change the pool, and cannot fail once
+`admission_pages` said the pages are there.
+"""
 
 from __future__ import annotations
 
-from loraplex.engine.core.request import Request
-from loraplex.engine.memory.page_pool import PageKind, PagePool
+from dataclasses import dataclass
+
+from loraplex.engine.memory.page_pool import PageId, PageKind, PagePool
 from loraplex.engine.memory.prefix_cache import PrefixCache
+from loraplex.engine.memory.sequence import KVSequence, SequenceBlocks
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The cached blocks a sequence's tokens start with, found but not yet taken."""
+
+    pages: list[PageId]
+    num_tokens: int  # tokens they hold: the sequence's computed tokens once they are taken
+    num_idle: int  # of the pages, those only the cache holds: taking them takes them off the eviction list
+
+
+NO_HIT = PrefixHit(pages=[], num_tokens=0, num_idle=0)
 
 
 class KVCacheManager:
-    """Grows and frees requests' block tables in the shared page pool. Block i of a request holds the K/V of
-    its tokens [i * block_size, (i + 1) * block_size). With a prefix cache, a request's leading full blocks may
-    be pages another request computed; they are never written again (only blocks past the match are)."""
+    """Grows and frees sequences' block tables in the shared page pool. With a prefix cache, a sequence's leading
+    full blocks may be pages another sequence computed; they are never written again (only blocks past the match
+    are)."""
 
     def __init__(self, pool: PagePool, block_size: int, *, prefix_caching: bool = False) -> None:
         self.pool = pool
         self.block_size = block_size
         self.prefix_cache = PrefixCache(pool, block_size) if prefix_caching else None
 
-    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        total = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
-        return max(0, total - len(request.block_ids))
+    def blocks_needed(self, seq: KVSequence, num_new_tokens: int, *, num_computed: int | None = None) -> int:
+        """Blocks to add so that `num_new_tokens` more tokens (after `num_computed`, default the sequence's
+        computed tokens) have room."""
+        computed = seq.num_computed_tokens if num_computed is None else num_computed
+        total = -(-(computed + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.blocks.block_ids))
 
-    def can_allocate(self, request: Request, num_new_tokens: int, *, reserve: int = 0) -> bool:
-        """Whether the request's next `num_new_tokens` fit, leaving `reserve` pages free for others."""
-        return self.pool.can_allocate(self.blocks_needed(request, num_new_tokens) + reserve)
+    # --- admission -------------------------------------------------------------------------------------------------
 
-    def allocate(self, request: Request, num_new_tokens: int) -> None:
-        needed = self.blocks_needed(request, num_new_tokens)
-        if needed:
-            request.block_ids.extend(self.pool.allocate(needed, PageKind.KV))
+    def find_prefix(self, seq: KVSequence) -> PrefixHit:
+        """The cached blocks a sequence that holds none starts with (changes nothing)."""
+        if self.prefix_cache is None or seq.blocks.block_ids or seq.num_computed_tokens:
+            return NO_HIT
+        pages = self.prefix_cache.find(seq)
+        num_idle = sum(1 for page in pages if self.pool.ref_cnt(page) == 1)
+        return PrefixHit(pages=pages, num_tokens=len(pages) * self.block_size, num_idle=num_idle)
 
-    def match_prefix(self, request: Request) -> int:
-        """Give a request that holds no blocks the cached blocks its tokens start with; returns the tokens they
-        cover (now counted as computed). Undo with `free` (and num_computed_tokens = 0) if it cannot start."""
-        if self.prefix_cache is None or request.block_ids or request.num_computed_tokens:
-            return 0
-        pages = self.prefix_cache.match(request)
-        request.block_ids = pages
-        request.num_computed_tokens = len(pages) * self.block_size
-        return request.num_computed_tokens
+    def admission_pages(self, seq: KVSequence, hit: PrefixHit, num_new_tokens: int) -> int:
+        """How many of the pool's free and evictable pages admitting `seq` with `hit` and room for `num_new_tokens`
+        past it uses: the blocks to allocate, and the hit's idle pages, which stop being evictable."""
+        needed = -(-(hit.num_tokens + num_new_tokens) // self.block_size) - len(hit.pages)
+        return max(0, needed) + hit.num_idle
 
-    def admitted(self, request: Request) -> None:
-        """A request started: at its first start, what the prefix cache gave it is its `num_cached_tokens`. One
-        recomputed after preemption finds its own blocks again, which is no cache hit for its user (nor a loss)."""
-        if self.prefix_cache is None or request.num_preemptions:
+    def take_prefix(self, seq: KVSequence, hit: PrefixHit) -> None:
+        """Give a sequence that holds no blocks the hit's pages, each with a reference (off the eviction list)."""
+        if not hit.pages:
             return
-        request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-        self.prefix_cache.stats.queried_tokens += request.num_prompt_tokens
-        self.prefix_cache.stats.hit_tokens += request.num_cached_tokens
+        assert self.prefix_cache is not None, "a hit comes from the prefix cache"
+        assert not seq.blocks.block_ids, "only a sequence that holds no blocks takes a prefix"
+        self.prefix_cache.take(hit.pages)
+        seq.blocks.block_ids = list(hit.pages)
 
-    def cache_computed(self, request: Request) -> None:
-        """After a step: offer the request's newly completed full blocks to the prefix cache."""
+    def record_hit(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """Count a first admission in the prefix cache's statistics (a restart after preemption is not one)."""
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(request)
+            self.prefix_cache.stats.queried_tokens += num_prompt_tokens
+            self.prefix_cache.stats.hit_tokens += num_cached_tokens
 
-    def free(self, request: Request) -> None:
-        """Give back every block of the request (finish, abort or preemption); cached ones stay, evictable."""
-        if request.block_ids:
-            pages = request.block_ids
+    # --- a running sequence --------------------------------------------------------------------------------------
+
+    def can_grow(self, seq: KVSequence, num_new_tokens: int) -> bool:
+        return self.pool.can_allocate(self.blocks_needed(seq, num_new_tokens))
+
+    def grow(self, seq: KVSequence, num_new_tokens: int, *, num_computed: int | None = None) -> None:
+        """Allocate the blocks `num_new_tokens` more tokens need (raises PoolExhausted if they are not there)."""
+        needed = self.blocks_needed(seq, num_new_tokens, num_computed=num_computed)
+        if needed:
+            seq.blocks.block_ids.extend(self.pool.allocate(needed, PageKind.KV))
+
+    def cache_computed(self, seq: KVSequence) -> None:
+        """After a step: offer the sequence's newly completed full blocks to the prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(seq)
+
+    def release(self, seq: KVSequence) -> None:
+        """Give back every block of the sequence (finish, abort or preemption); cached ones stay, evictable."""
+        blocks = seq.blocks
+        if blocks.block_ids:
+            pages = blocks.block_ids
             self.pool.release(pages)
-            request.block_ids = []
-            request.num_offered_blocks = 0  # a restart (after preemption) offers its blocks again
+            blocks.block_ids = []
+            blocks.num_offered_blocks = 0  # a restart (after preemption) offers its blocks again
             if self.prefix_cache is not None:
                 self.prefix_cache.released(pages[::-1])
+
+
+__all__ = ["NO_HIT", "KVCacheManager", "KVSequence", "PrefixHit", "SequenceBlocks"]

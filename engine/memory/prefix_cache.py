@@ -21,8 +21,8 @@ from functools import partial
 
 import numpy as np
 
-from loraplex.engine.core.request import Request
 from loraplex.engine.memory.page_pool import PageId, PagePool
+from loraplex.engine.memory.sequence import KVSequence
 
 _NAMESPACE = b"loraplex-prefix-v1"
 
@@ -68,58 +68,62 @@ class PrefixCache:
     def num_blocks(self) -> int:
         return len(self._entries)
 
-    def hashes(self, request: Request, num_blocks: int) -> list[bytes]:
-        """The hashes of the request's first `num_blocks` full blocks, computed once and kept on the request."""
-        done = request.block_hashes
+    def hashes(self, seq: KVSequence, num_blocks: int) -> list[bytes]:
+        """The hashes of the sequence's first `num_blocks` full blocks, computed once and kept in its blocks."""
+        done = seq.blocks.block_hashes
         if len(done) < num_blocks:
-            parent = done[-1] if done else first_block_seed(request.cache_salt, _digest(request))
+            parent = done[-1] if done else first_block_seed(seq.cache_salt, seq.adapter_digest)
             size = self.block_size
             for index in range(len(done), num_blocks):
-                parent = block_hash(parent, request.tokens(index * size, (index + 1) * size))
+                parent = block_hash(parent, seq.tokens(index * size, (index + 1) * size))
                 done.append(parent)
         return done  # at least num_blocks long; callers read only the first num_blocks
 
-    def match(self, request: Request) -> list[PageId]:
-        """The longest run of cached blocks that starts the request's tokens, each taken with a reference.
+    def find(self, seq: KVSequence) -> list[PageId]:
+        """The longest run of cached blocks that starts the sequence's tokens (nothing taken: see `take`).
 
         At least one token is always left to compute (its logits give the next token), so a prompt of exactly
         whole blocks reuses all but its last block.
         """
-        num_blocks = (request.num_tokens - 1) // self.block_size
+        num_blocks = (seq.num_tokens - 1) // self.block_size
         pages: list[PageId] = []
         size = self.block_size
-        hashes = self.hashes(request, num_blocks)
+        hashes = self.hashes(seq, num_blocks)
         for index in range(num_blocks):
             digest = hashes[index]
             entry = self._entries.get(digest)
-            if entry is None or entry.tokens != tuple(request.tokens(index * size, (index + 1) * size)):
+            if entry is None or entry.tokens != tuple(seq.tokens(index * size, (index + 1) * size)):
                 break
             pages.append(entry.page)
+        return pages
+
+    def take(self, pages: list[PageId]) -> None:
+        """A reference to each of `pages` (what `find` returned), which takes them off the eviction list."""
         for page in pages:
             if self.pool.ref_cnt(page) == 1:  # only the cache held it: it was waiting for eviction
                 self.pool.unmark_evictable(("kv", page))
             self.pool.incref(page)
-        return pages
 
-    def insert(self, request: Request) -> None:
-        """Remember the request's full blocks whose K/V are computed, from the first one not offered yet (a step
+    def insert(self, seq: KVSequence) -> None:
+        """Remember the sequence's full blocks whose K/V are computed, from the first one not offered yet (a step
         completes at most a few blocks; the ones before were offered in earlier steps)."""
         size = self.block_size
-        num_full = min(request.num_computed_tokens // size, len(request.block_ids))
-        if num_full <= request.num_offered_blocks:
+        blocks = seq.blocks
+        num_full = min(seq.num_computed_tokens // size, len(blocks.block_ids))
+        if num_full <= blocks.num_offered_blocks:
             return
-        hashes = self.hashes(request, num_full)
-        for index in range(request.num_offered_blocks, num_full):
+        hashes = self.hashes(seq, num_full)
+        for index in range(blocks.num_offered_blocks, num_full):
             digest = hashes[index]
             if digest in self._entries:
-                continue  # already cached, from this request (a hit) or another one that computed it first
-            page = request.block_ids[index]
+                continue  # already cached, from this sequence (a hit) or another one that computed it first
+            page = blocks.block_ids[index]
             if page in self._hash_of_page:
                 continue  # this page is cached under another hash: never reuse a page for two contents
-            self._entries[digest] = _Entry(page, tuple(request.tokens(index * size, (index + 1) * size)))
+            self._entries[digest] = _Entry(page, tuple(seq.tokens(index * size, (index + 1) * size)))
             self._hash_of_page[page] = digest
             self.pool.incref(page)
-        request.num_offered_blocks = num_full
+        blocks.num_offered_blocks = num_full
 
     def released(self, pages: list[PageId]) -> None:
         """After requests dropped `pages`: those only the cache still holds may be evicted from now on.
@@ -143,7 +147,3 @@ class PrefixCache:
             self.pool.unmark_evictable(("kv", page))
             self._evict(page)
         return len(idle)
-
-
-def _digest(request: Request) -> str | None:
-    return request.adapter.ref.digest if request.adapter is not None else None

@@ -1,17 +1,28 @@
 """ForwardBatch: everything one model forward needs, built once per step by the runner.
 
 Tensors are flat over the step's tokens (sequences concatenated in scheduling order); the per-sequence tensors
-describe where each sequence's keys live in the paged cache. The LoRA metadata (adapter segments) will join
-here, so layers never look at requests.
+describe where each sequence's keys live in the paged cache. Adapters reach the layers through `lora`, a
+`LoraDelta` the runner binds for the step, so layers never look at requests or at the LoRA machinery.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from loraplex.engine.lora.batch import LoraBatch
+
+class LoraDelta(Protocol):
+    """A step's adapters, as the model's layers see them (engine.lora's `LoraStep` is one)."""
+
+    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[rows] += the delta of each row's adapter on (layer, group) for input x (rows without one: nothing).
+
+        group: the fused projection (qkv, o, gate_up, down); x: [num_tokens, in_features] its input;
+        y: [num_tokens, fused out] its base output, added to in place.
+        """
+        ...
 
 
 @dataclass(slots=True)
@@ -26,7 +37,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_logits] int64: token rows whose logits are computed
     max_query_len: int
     max_seq_len: int
-    lora: LoraBatch = field(default_factory=LoraBatch)  # adapter segments over the token rows
+    lora: LoraDelta | None = None  # the step's adapters; None when no row has one
 
     @property
     def num_tokens(self) -> int:

@@ -17,14 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.core.config import QuantizationName
 from loraplex.engine.errors import CheckpointError
-from loraplex.engine.lora.batch import LoraCompute
 from loraplex.engine.memory.page_pool import KVLayer
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.forward_batch import ForwardBatch
 from loraplex.engine.model.prequantized import LoadedInt4, PrequantizedFormat, load_int4
 from loraplex.engine.model.quant_linear import Weight, addmm, linear, matmul_layout, nbytes, quantize
+from loraplex.engine.model.quantization import QuantizationName
 from loraplex.engine.model.rope import RotaryEmbedding, interleave_rotary_rows
 from loraplex.engine.model.weights import CheckpointTensors
 from loraplex.kernels.paged_attention import paged_attention
@@ -290,18 +289,18 @@ class LlamaModel:
     # --- forward -------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVLayer], lora: LoraCompute | None = None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVLayer]) -> torch.Tensor:
         """Run the decoder over the batch's tokens, writing their K/V into the cache; returns the final-normed
         hidden states [num_tokens, hidden]."""
         c = self.config
         hidden = F.embedding(batch.input_ids, self.embed)
         cis = self.rope.table(batch.positions)
-        adapters = lora if lora is not None and batch.lora else None
+        adapters = batch.lora
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
             qkv = linear(_ordered(x, layer.qkv_input_order), layer.qkv, layer.qkv_bias)
             if adapters is not None:
-                adapters.add(batch.lora, index, "qkv", x, qkv)
+                adapters.add(index, "qkv", x, qkv)
             q, k, v = torch.split(qkv, [c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = self.rope.apply(q.view(-1, c.num_heads, c.head_dim), cis)
             k = self.rope.apply(k.view(-1, c.num_kv_heads, c.head_dim), cis)
@@ -322,17 +321,17 @@ class LlamaModel:
             attn = attn.view(-1, c.q_size)
             hidden = addmm(hidden, _ordered(attn, layer.o_input_order), layer.o)
             if adapters is not None:
-                adapters.add(batch.lora, index, "o", attn, hidden)
+                adapters.add(index, "o", attn, hidden)
 
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate_up = linear(_ordered(x, layer.gate_up_input_order), layer.gate_up)
             if adapters is not None:
-                adapters.add(batch.lora, index, "gate_up", x, gate_up)
+                adapters.add(index, "gate_up", x, gate_up)
             act = F.silu(gate_up[:, : c.intermediate_size])
             act.mul_(gate_up[:, c.intermediate_size :])  # in place: a fresh large tensor costs page faults
             hidden = addmm(hidden, _ordered(act, layer.down_input_order), layer.down)
             if adapters is not None:
-                adapters.add(batch.lora, index, "down", act, hidden)
+                adapters.add(index, "down", act, hidden)
         return rms_norm(hidden, self.norm, c.rms_norm_eps)
 
     @torch.inference_mode()

@@ -11,7 +11,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.core.config import QuantizationName
+from loraplex.engine.model.quantization import QuantizationName
 from loraplex.kernels.quant import (
     GROUP_SIZE,
     Int4Weight,

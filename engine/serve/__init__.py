@@ -2,5 +2,53 @@
 serving, the adapter name registry, the edge guards), Prometheus metrics, fleet registration, and the
 `loraplex engine ...` commands.
 
-May import: engine.core and everything below it. Nothing in the engine imports engine.serve; the platform does.
+May import: engine.core and everything below it. Nothing in the engine imports engine.serve; the platform does,
+through the names below (loaded on first use, like the engine package's).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loraplex.engine.serve.cli import configure_logging, engine
+    from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
+    from loraplex.engine.serve.protocol import ChatMessage
+    from loraplex.engine.serve.registration import ENGINE_KEY, ENGINES_SET, FleetRecord, engine_record
+    from loraplex.engine.serve.server import create_engine_app, serve
+
+__all__ = [
+    "ENGINES_SET",
+    "ENGINE_KEY",
+    "ChatMessage",
+    "FleetRecord",
+    "GuardedRequest",
+    "configure_logging",
+    "create_engine_app",
+    "engine",
+    "engine_record",
+    "refuse_nul_bytes",
+    "serve",
+]
+
+_WHERE = {
+    "configure_logging": "loraplex.engine.serve.cli",
+    "engine": "loraplex.engine.serve.cli",
+    "GuardedRequest": "loraplex.engine.serve.http_edge",
+    "refuse_nul_bytes": "loraplex.engine.serve.http_edge",
+    "ChatMessage": "loraplex.engine.serve.protocol",
+    "ENGINE_KEY": "loraplex.engine.serve.registration",
+    "ENGINES_SET": "loraplex.engine.serve.registration",
+    "FleetRecord": "loraplex.engine.serve.registration",
+    "engine_record": "loraplex.engine.serve.registration",
+    "create_engine_app": "loraplex.engine.serve.server",
+    "serve": "loraplex.engine.serve.server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'loraplex.engine.serve' has no attribute {name!r}")

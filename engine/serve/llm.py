@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Required, TypedDict
 
-from loraplex.engine.core.config import DTypeName, EngineConfig, QuantizationName
+from loraplex.engine.core.config import DTypeName, EngineConfig
 from loraplex.engine.core.engine_core import EngineCore
 from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.lora.ref import AdapterRef, LoRARequest
+from loraplex.engine.model.quantization import QuantizationName
 from loraplex.engine.model.tokenizer import Tokenizer
 
 

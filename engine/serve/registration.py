@@ -1,8 +1,9 @@
 """Fleet registration: an engine server announces itself in Redis, so that the platform's router can find it and
 see its load (DESIGN: engine replicas "register themselves in Redis").
 
-The registry (the platform's `loraplex.platform.domain.fleet.registry` reads it; change both together). `{prefix}`
-is the server's --redis-prefix ("loraplex:" by default), the same prefix as the platform's keys:
+The registry, whose record (`FleetRecord`) and keys are defined here only: the platform's router reads them
+(`loraplex.platform.domain.fleet.registry`). `{prefix}` is the server's --redis-prefix ("loraplex:" by default),
+the same prefix as the platform's keys:
 
     {prefix}fleet:engines         a set of engine ids: SADD on every beat, SREM on a clean shutdown
     {prefix}fleet:engine:{id}     one JSON object per engine, SET every second with a 5 s expiry (PX 5000):
@@ -48,10 +49,66 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX: Final = "loraplex:"
-ENGINES_KEY: Final = "fleet:engines"
+ENGINES_SET: Final = "fleet:engines"
 ENGINE_KEY: Final = "fleet:engine:{id}"
 _REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
 _WILDCARD_HOSTS: Final = frozenset({"", "0.0.0.0", "::"})  # noqa: S104  # bind addresses, not places to call
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRecord:
+    """One engine's registry entry (the module's docstring gives each field)."""
+
+    id: str
+    url: str
+    base_model: str
+    adapters: frozenset[str] = frozenset()  # digests of resident adapters
+    free_pages: int = 0
+    evictable_pages: int = 0  # held by idle adapters or cached KV: an allocation can take them back
+    num_pages: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+    max_model_len: int = 0
+    updated_at: float = 0.0
+
+    @property
+    def load(self) -> float:
+        """Queued requests weigh 2, running ones 1, plus the share of the pool in use."""
+        available = self.free_pages + self.evictable_pages
+        used = 0.0 if self.num_pages == 0 else 1 - available / self.num_pages
+        return self.num_waiting * 2 + self.num_running + used
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> FleetRecord:
+        """Raise KeyError, ValueError or TypeError for an entry that is not a record."""
+        return cls(
+            id=str(raw["id"]),
+            url=str(raw["url"]),
+            base_model=str(raw["base_model"]),
+            adapters=frozenset(raw.get("adapters") or ()),
+            free_pages=int(raw.get("free_pages", 0)),
+            evictable_pages=int(raw.get("evictable_pages", 0)),
+            num_pages=int(raw.get("num_pages", 0)),
+            num_waiting=int(raw.get("num_waiting", 0)),
+            num_running=int(raw.get("num_running", 0)),
+            max_model_len=int(raw.get("max_model_len", 0)),
+            updated_at=float(raw.get("updated_at", 0.0)),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "base_model": self.base_model,
+            "adapters": sorted(self.adapters),
+            "free_pages": self.free_pages,
+            "evictable_pages": self.evictable_pages,
+            "num_pages": self.num_pages,
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "max_model_len": self.max_model_len,
+            "updated_at": self.updated_at,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +135,7 @@ class RegistrationConfig:
 
     @property
     def engines_key(self) -> str:
-        return self.prefix + ENGINES_KEY
+        return self.prefix + ENGINES_SET
 
     @property
     def engine_key(self) -> str:
@@ -98,25 +155,25 @@ def default_public_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def engine_record(engine: AsyncEngine, config: RegistrationConfig, base_model: str) -> dict[str, Any]:
-    """This engine's registry entry now (see the module's docstring), from the engine thread's latest snapshot."""
+def engine_record(engine: AsyncEngine, engine_id: str, url: str, base_model: str) -> FleetRecord:
+    """An engine's registry entry now, from the engine thread's latest snapshot: what a fleet engine announces in
+    Redis and what the platform's embedded engine hands its router."""
     from loraplex.engine.lora.manager import AdapterState  # here: the registry format needs no torch
 
     state = engine.state()
-    resident = [digest for digest, s in engine.adapter_states().items() if s is AdapterState.RESIDENT]
-    return {
-        "id": config.engine_id,
-        "url": config.url,
-        "base_model": base_model,
-        "adapters": sorted(resident),
-        "free_pages": state.pool.num_free,
-        "evictable_pages": state.pool.num_evictable,
-        "num_pages": state.pool.num_pages,
-        "num_waiting": state.num_waiting,
-        "num_running": state.num_running,
-        "max_model_len": engine.core.max_model_len,
-        "updated_at": time.time(),
-    }
+    return FleetRecord(
+        id=engine_id,
+        url=url,
+        base_model=base_model,
+        adapters=frozenset(d for d, s in engine.adapter_states().items() if s is AdapterState.RESIDENT),
+        free_pages=state.pool.num_free,
+        evictable_pages=state.pool.num_evictable,
+        num_pages=state.pool.num_pages,
+        num_waiting=state.num_waiting,
+        num_running=state.num_running,
+        max_model_len=engine.core.max_model_len,
+        updated_at=time.time(),
+    )
 
 
 class FleetRegistration:
@@ -145,7 +202,8 @@ class FleetRegistration:
                 await self.withdraw()
                 self._withdrawn = True
             return
-        record = json.dumps(engine_record(self.engine, self.config, self.base_model), separators=(",", ":"))
+        entry = engine_record(self.engine, self.config.engine_id, self.config.url, self.base_model)
+        record = json.dumps(entry.to_json(), separators=(",", ":"))
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self.config.engine_key, record, px=int(self.config.ttl_s * 1000))
             pipe.sadd(self.config.engines_key, self.config.engine_id)
@@ -204,8 +262,9 @@ class FleetRegistration:
 
 __all__ = [
     "DEFAULT_PREFIX",
-    "ENGINES_KEY",
+    "ENGINES_SET",
     "ENGINE_KEY",
+    "FleetRecord",
     "FleetRegistration",
     "RegistrationConfig",
     "default_engine_id",

@@ -27,10 +27,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterFormatError, UnsupportedAdapterFeature
-from loraplex.engine.lora.adapter_config import MAX_CONFIG_BYTES
-from loraplex.engine.lora.adapter_files import FORBIDDEN_SUFFIXES
-from loraplex.engine.lora.errors import shorten
+from loraplex.engine.lora import (
+    CONFIG_FILE,
+    FORBIDDEN_SUFFIXES,
+    MAX_CONFIG_BYTES,
+    WEIGHTS_FILE,
+    AdapterFormatError,
+    UnsupportedAdapterFeature,
+    shorten,
+)
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz")

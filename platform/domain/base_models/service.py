@@ -11,8 +11,7 @@ import anyio.to_thread
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from loraplex.engine.errors import CheckpointError
-from loraplex.engine.model.config import ModelConfig
+from loraplex.engine import CheckpointError, ModelConfig
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
 from loraplex.platform.errors import ApiError, conflict, invalid_request

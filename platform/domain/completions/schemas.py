@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints, model_validator
 
-from loraplex.engine.serve.protocol import ChatMessage as EngineChatMessage
+from loraplex.engine.serve import ChatMessage as EngineChatMessage
 from loraplex.platform.schemas import Name, RequestBody
 
 MAX_STOP = 4

@@ -10,12 +10,11 @@ import logging
 import time
 from pathlib import Path
 
-from loraplex.engine.core.config import QUANTIZATIONS, EngineConfig, QuantizationName
-from loraplex.engine.lora.manager import AdapterState
-from loraplex.engine.serve.async_engine import AsyncEngine
+from loraplex.engine import QUANTIZATIONS, AsyncEngine, EngineConfig, QuantizationName, parse_memory_budget
+from loraplex.engine.serve import engine_record
 from loraplex.platform.domain.fleet.client import InProcessEngineClient
 from loraplex.platform.domain.fleet.registry import LocalFleet, Replica
-from loraplex.platform.settings import Settings, parse_memory_budget
+from loraplex.platform.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def adapter_roots(settings: Settings) -> list[str]:
 async def start_embedded_fleet(
     settings: Settings, quantization: QuantizationName | None = None
 ) -> tuple[LocalFleet, AsyncEngine, str, Path]:
-    from loraplex.engine.serve.server import create_engine_app
+    from loraplex.engine.serve import create_engine_app
 
     name, path = embedded_model(settings)
     config = EngineConfig(
@@ -95,21 +94,6 @@ async def start_embedded_fleet(
     app = create_engine_app(engine, adapter_roots=adapter_roots(settings))
 
     def state() -> Replica:
-        snapshot = engine.state()
-        return Replica(
-            id="embedded",
-            url="in-process",
-            base_model=name,
-            adapters=frozenset(
-                digest for digest, state in engine.adapter_states().items() if state is AdapterState.RESIDENT
-            ),
-            free_pages=snapshot.pool.num_free,
-            evictable_pages=snapshot.pool.num_evictable,
-            num_pages=snapshot.pool.num_pages,
-            num_waiting=snapshot.num_waiting,
-            num_running=snapshot.num_running,
-            max_model_len=engine.core.max_model_len,
-            updated_at=time.time(),
-        )
+        return engine_record(engine, "embedded", "in-process", name)
 
     return LocalFleet(replica_state=state, engine_client=InProcessEngineClient(app)), engine, name, path

@@ -24,18 +24,16 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from redis.exceptions import RedisError
 
+from loraplex.engine.serve import ENGINE_KEY, ENGINES_SET, FleetRecord
 from loraplex.platform.domain.fleet.client import EngineClient, HttpEngineClient
 from loraplex.platform.kv import KeyValueStore, RedisStore
 
 logger = logging.getLogger(__name__)
 
-ENGINES_SET = "fleet:engines"
-ENGINE_KEY = "fleet:engine:{id}"
 AFFINITY_KEY = "fleet:affinity:{key}"
 AFFINITY_TTL_S = 600.0
 _CACHE_S = 0.5  # how long a read of the registry is reused (requests come faster than heartbeats)
@@ -44,56 +42,8 @@ BALANCE_SLACK = 8.0  # load units (a queued request weighs 2, a running one 1) a
 UNREACHABLE_S = 5.0  # a replica that refused a connection gets no requests for this long (the registry key's TTL)
 
 
-@dataclass(frozen=True, slots=True)
-class Replica:
-    id: str
-    url: str
-    base_model: str
-    adapters: frozenset[str] = frozenset()  # digests of resident adapters
-    free_pages: int = 0
-    evictable_pages: int = 0  # held by idle adapters or cached KV: an allocation can take them back
-    num_pages: int = 0
-    num_waiting: int = 0
-    num_running: int = 0
-    max_model_len: int = 0
-    updated_at: float = 0.0
-
-    @property
-    def load(self) -> float:
-        available = self.free_pages + self.evictable_pages
-        used = 0.0 if self.num_pages == 0 else 1 - available / self.num_pages
-        return self.num_waiting * 2 + self.num_running + used
-
-    @classmethod
-    def parse(cls, raw: dict[str, Any]) -> Replica:
-        return cls(
-            id=str(raw["id"]),
-            url=str(raw["url"]),
-            base_model=str(raw["base_model"]),
-            adapters=frozenset(raw.get("adapters") or ()),
-            free_pages=int(raw.get("free_pages", 0)),
-            evictable_pages=int(raw.get("evictable_pages", 0)),
-            num_pages=int(raw.get("num_pages", 0)),
-            num_waiting=int(raw.get("num_waiting", 0)),
-            num_running=int(raw.get("num_running", 0)),
-            max_model_len=int(raw.get("max_model_len", 0)),
-            updated_at=float(raw.get("updated_at", 0.0)),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "url": self.url,
-            "base_model": self.base_model,
-            "adapters": sorted(self.adapters),
-            "free_pages": self.free_pages,
-            "evictable_pages": self.evictable_pages,
-            "num_pages": self.num_pages,
-            "num_waiting": self.num_waiting,
-            "num_running": self.num_running,
-            "max_model_len": self.max_model_len,
-            "updated_at": self.updated_at,
-        }
+# A replica is what its engine announced: the engine's own record type (one definition of the format).
+Replica = FleetRecord
 
 
 class Fleet(Protocol):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from loraplex.engine.core.request import Request, RequestStatus
+from loraplex.engine.core.request_memory import RequestMemory
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.engine.memory.kv_cache import KVCacheManager
@@ -20,20 +21,20 @@ def _scheduler(*, pages: int = 64, budget: int = 16, max_seqs: int = 8) -> Sched
     pool = PagePool(
         num_pages=pages, num_layers=1, page_elems=2 * BLOCK, dtype=torch.float32, device=torch.device("cpu")
     )
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), KVCacheManager(pool, BLOCK))
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    return Scheduler(config, RequestMemory(KVCacheManager(pool, BLOCK)))
 
 
 def _request(name: str, prompt_len: int) -> Request:
     return Request(name, list(range(prompt_len)), SamplingParams(max_tokens=50), max_tokens=50)
 
 
-def _advance(out: SchedulerOutput) -> None:
-    """What the engine does after a step: the scheduled tokens are computed, completed prompts get a token."""
-    for s in out.scheduled:
-        done = s.completes_prompt
-        s.request.num_computed_tokens += s.num_new_tokens
-        if done:
-            s.request.output_token_ids.append(7)
+def _advance(sched: Scheduler, out: SchedulerOutput) -> None:
+    """What the engine does after a step: the scheduler books the computed tokens, completed prompts get a token."""
+    done = [s.request for s in out.scheduled if s.completes_prompt]
+    sched.update_from_output(out)
+    for request in done:
+        request.output_token_ids.append(7)
 
 
 def _plan(out: SchedulerOutput) -> list[tuple[str, int]]:
@@ -46,8 +47,8 @@ def test_chunked_prefill_within_the_token_budget() -> None:
     out = sched.schedule()
     assert _plan(out) == [("long", 16)]
     assert not out.scheduled[0].completes_prompt
-    _advance(out)
-    _advance(sched.schedule())
+    _advance(sched, out)
+    _advance(sched, sched.schedule())
     out = sched.schedule()
     assert _plan(out) == [("long", 8)]
     assert out.scheduled[0].completes_prompt
@@ -56,18 +57,18 @@ def test_chunked_prefill_within_the_token_budget() -> None:
 def test_decodes_first_then_new_prompts_fill_the_budget() -> None:
     sched = _scheduler(budget=16)
     sched.add(_request("a", 6))
-    _advance(sched.schedule())  # a prefilled, has one output token
+    _advance(sched, sched.schedule())  # a prefilled, has one output token
     sched.add(_request("b", 30))
     sched.add(_request("c", 3))
     out = sched.schedule()
     # a decodes (1 token), b takes the rest of the budget as a chunk, c waits.
     assert _plan(out) == [("a", 1), ("b", 15)]
     assert out.num_batched_tokens == 16
-    _advance(out)
+    _advance(sched, out)
     out = sched.schedule()
     assert _plan(out) == [("a", 1), ("b", 15)]
     assert out.scheduled[1].completes_prompt
-    _advance(out)
+    _advance(sched, out)
     # b's prompt is done: it decodes now, and c starts.
     assert _plan(sched.schedule()) == [("a", 1), ("b", 1), ("c", 3)]
 
@@ -87,13 +88,13 @@ def test_preemption_frees_the_newest_and_requeues_it_first() -> None:
     sched.add(first)
     sched.add(second)
     out = sched.schedule()
-    _advance(out)  # both hold 2 full pages and have one output token
-    assert sched.kv.pool.num_free == 0
+    _advance(sched, out)  # both hold 2 full pages and have one output token
+    assert sched.memory.kv.pool.num_free == 0
     out = sched.schedule()  # first needs a third page for token 9: second is preempted
     assert out.preempted == [second]
     assert _plan(out) == [("first", 1)]
     assert second.status is RequestStatus.WAITING
-    assert second.num_computed_tokens == 0 and second.block_ids == []
+    assert second.num_computed_tokens == 0 and second.blocks.block_ids == []
     assert second.num_preemptions == 1
     assert sched.waiting[0] is second
     # Its prompt and its output token are recomputed together when it returns.
@@ -106,10 +107,10 @@ def test_finish_returns_pages_and_leaves_the_queues() -> None:
     sched = _scheduler()
     request = _request("a", 10)
     sched.add(request)
-    _advance(sched.schedule())
-    assert sched.kv.pool.usage().by_kind["kv"] == 3
+    _advance(sched, sched.schedule())
+    assert sched.memory.kv.pool.usage().by_kind["kv"] == 3
     sched.finish(request, RequestStatus.FINISHED_ABORTED)
-    assert sched.kv.pool.usage().by_kind["kv"] == 0
+    assert sched.memory.kv.pool.usage().by_kind["kv"] == 0
     assert not sched.has_unfinished()
     waiting = _request("b", 3)
     sched.add(waiting)

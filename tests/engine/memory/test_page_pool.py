@@ -92,25 +92,27 @@ class TestKVCacheManager:
         kv = KVCacheManager(_pool(), BLOCK)
         request = _request(6)
         assert kv.blocks_needed(request, 6) == 2
-        kv.allocate(request, 6)
+        kv.grow(request, 6)
         request.num_computed_tokens = 6
         assert kv.blocks_needed(request, 2) == 0  # fills block 1
         assert kv.blocks_needed(request, 3) == 1
-        kv.allocate(request, 3)
-        assert len(request.block_ids) == 3
+        kv.grow(request, 3)
+        assert len(request.blocks.block_ids) == 3
 
     def test_free_gives_everything_back(self) -> None:
         pool = _pool()
         kv = KVCacheManager(pool, BLOCK)
         request = _request(12)
-        kv.allocate(request, 12)
+        kv.grow(request, 12)
         assert pool.num_free == 5
-        kv.free(request)
+        kv.release(request)
         assert pool.num_free == 8
-        assert request.block_ids == []
+        assert request.blocks.block_ids == []
 
     def test_reserve(self) -> None:
         kv = KVCacheManager(_pool(num_pages=3), BLOCK)
         request = _request(8)
-        assert kv.can_allocate(request, 8)
-        assert not kv.can_allocate(request, 8, reserve=2)
+        assert kv.can_grow(request, 8)
+        hit = kv.find_prefix(request)
+        assert kv.admission_pages(request, hit, 8) == 2  # with 2 kept free for others, 4 pages would be needed
+        assert not kv.pool.can_allocate(kv.admission_pages(request, hit, 8) + 2)

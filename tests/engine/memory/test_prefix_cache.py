@@ -196,15 +196,18 @@ class TestPool:
             return Request(name, tokens, SamplingParams(), max_tokens=4)
 
         first = request("first", list(range(9)))
-        kv.allocate(first, 9)
+        kv.grow(first, 9)
         first.num_computed_tokens = 9
         kv.cache_computed(first)
-        kv.free(first)
+        kv.release(first)
         assert pool.num_evictable == 2 and pool.num_free == 4  # two full blocks kept, the partial one freed
         second = request("second", list(range(9)))
-        assert kv.match_prefix(second) == 8
-        assert pool.num_evictable == 0 and all(pool.ref_cnt(p) == 2 for p in second.block_ids)
-        kv.free(second)
+        hit = kv.find_prefix(second)
+        assert (hit.num_tokens, hit.num_idle) == (8, 2)
+        assert pool.num_evictable == 2  # finding takes nothing
+        kv.take_prefix(second, hit)
+        assert pool.num_evictable == 0 and all(pool.ref_cnt(p) == 2 for p in second.blocks.block_ids)
+        kv.release(second)
         assert pool.num_evictable == 2
         taken = pool.allocate(6, PageKind.KV)  # a full pool evicts both cached blocks
         assert len(taken) == 6 and kv.prefix_cache is not None and kv.prefix_cache.num_blocks == 0

@@ -83,7 +83,7 @@ def _prompt_logits(llm: LLM, prompt: list[int], lora: LoRARequest | None = None)
     core.add_request("probe", prompt, SamplingParams(temperature=0, max_tokens=1), lora=ref)
     prepared = core.runner.prepare(core.scheduler.schedule())
     assert prepared.batch.input_ids.numel() == len(prompt), "the whole prompt must run in one step"
-    hidden = core.model.forward(prepared.batch, core.runner.kv_caches, core.runner.lora)
+    hidden = core.model.forward(prepared.batch, core.runner.kv_caches)
     logits = core.model.compute_logits(hidden)
     core.abort_request("probe")
     return logits

@@ -1,0 +1,12 @@
+"""The names of the weight-only quantizations the model applies at load (kept apart from the kernels and from
+`quant_linear`, so configs can name them without importing torch)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+# Weight-only quantization of the decoder layers' projections, done at load from a 16/32-bit checkpoint.
+QuantizationName = Literal["int8", "int4"]
+QUANTIZATIONS: tuple[QuantizationName, ...] = ("int8", "int4")
+
+__all__ = ["QUANTIZATIONS", "QuantizationName"]
