@@ -46,8 +46,8 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # The torch path pads the prefill sequences of one SDPA call to the longest query and context among them; a
 # sequence joins a call only while the call's useful work (sum of q_len * seq_len) stays at least this share of
-# its padded work. On 2 CPU cores SDPA's time follows the padded work: 0.85 to 0.95 measured alike, 0.7 took
-# 1.4x as long on 64 prompts of 16..256 tokens, and 1.0 (one call per length) paid more in per-call overhead.
+# its padded work. On a CPU SDPA's time follows the padded work, while one call per length pays per-call overhead
+# (decision 0019 has the measured range).
 _MIN_BUCKET_EFFICIENCY = 0.9
 
 
@@ -161,12 +161,9 @@ def paged_attention_torch(
 
     Decode sequences (q_len == 1) run together in one ragged pass over only the blocks they use. The other
     sequences run in a few padded scaled_dot_product_attention calls, each over sequences of similar query
-    and context length. benchmarks/attention_cpu.py times it. Slower on 2 cores when measured: padding
-    decode to the longest context (about 2x), permuting gathered K/V to [seq, kv_head, token, dim] for decode,
-    one SDPA call per sequence, one padded call for all prefills, and splitting prompts into query chunks so
-    that SDPA skips masked keys (below about 1k tokens SDPA's CPU kernel costs the same causal or not, and
-    smaller calls run less efficiently). It reads the small metadata tensors on the host, which on CUDA would
-    synchronize: CUDA callers want the Triton kernel.
+    and context length. benchmarks/attention_cpu.py times it (decision 0019 lists the alternatives it beat). It
+    reads the small metadata tensors on the host, which on CUDA would synchronize: CUDA callers want the Triton
+    kernel.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, out)
     if out is None:

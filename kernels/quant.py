@@ -19,10 +19,10 @@ Semantics (the reference loop; every path computes it with a float32 accumulator
     # y is [num_tokens, out_features] in x.dtype, rounded once
 
 `int8_linear` and `int4_linear` dispatch: the Triton kernels for CUDA tensors, the torch paths otherwise. The
-torch paths are what CPU serving runs (benchmarks/quant_cpu.py times them against the alternatives tried); they
-dequantize up to 2^19 weight elements at a time into a float32 buffer, which a caller should keep and pass as
-`workspace` (one `torch.empty(workspace_elems(max in_features))` per process, not shared across threads): a new
-2 MiB buffer per call can cost page faults (1.2 instead of 0.35 ms for a 1-token gate_up).
+torch paths are what CPU serving runs (benchmarks/quant_cpu.py times them against the alternatives; decision
+0019); they dequantize up to 2^19 weight elements at a time into a float32 buffer, which a caller should keep and
+pass as `workspace` (one `torch.empty(workspace_elems(max in_features))` per process, not shared across threads):
+a new 2 MiB buffer per call can cost page faults that take longer than the matmul.
 
 Layout: this module is the entry point (the semantics above, the dispatch, and the names callers import). Each
 op keeps its Triton kernel, launcher and torch path in one module, kernels/quant_int8.py and kernels/quant_int4.py;

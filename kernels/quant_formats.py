@@ -159,8 +159,7 @@ def workspace_elems(in_features: int) -> int:
 def tile_buffer(workspace: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
     """`numel` float32 elements for the torch paths' tiles: the front of the caller's workspace, else a new
     buffer. A new 2 MiB buffer per call costs page faults whenever the allocator hands it back to the OS in
-    between (glibc maps blocks this large itself): a 1-token gate_up took 1.2 instead of 0.35 ms in some
-    processes. A workspace the caller keeps avoids that."""
+    between (glibc maps blocks this large itself); a workspace the caller keeps avoids that."""
     if workspace is None:
         return torch.empty(numel, dtype=torch.float32, device=device)
     if workspace.dtype != torch.float32 or workspace.dim() != 1 or not workspace.is_contiguous():

@@ -44,14 +44,13 @@ def int4_linear_torch(
     codes stay the only copy of the weight. Returns [num_tokens, out_features] in x.dtype. `workspace`, kept by
     the caller across calls, holds the tiles (see tile_buffer in kernels/quant_formats.py).
 
-    Two tile forms, measured in benchmarks/quant_cpu.py (2 cores). Decode-sized batches (<= SPLIT_MAX_TOKENS)
-    leave the nibbles apart: the low ones (even columns) and the high ones (odd columns) each become a
-    [rows, in / 2] tile times its scale, multiplied with x's even and odd columns, and the zero points come out
-    of the matmul as (sum of x over each group) @ (zeros * scales)^T, one small product per call: the least
-    elementwise work per weight (1 token, gate_up: 0.66-0.92 against 0.97 ms interleaved). Larger batches
-    rebuild the [rows, in] tile, (q - zero) * scale, for one matmul over all of `in` (512 tokens: 5-15% faster
-    than split tiles). Not torch's `_weight_int4pack_mm_for_cpu`: it needs its own blocked layout (a second copy
-    of the codes), was close at 1 token (faster on o) and 15-70x slower from 16 tokens up."""
+    Two tile forms (benchmarks/quant_cpu.py times them; decision 0019 has the figures). Decode-sized batches
+    (<= SPLIT_MAX_TOKENS) leave the nibbles apart: the low ones (even columns) and the high ones (odd columns)
+    each become a [rows, in / 2] tile times its scale, multiplied with x's even and odd columns, and the zero
+    points come out of the matmul as (sum of x over each group) @ (zeros * scales)^T, one small product per call:
+    the least elementwise work per weight. Larger batches rebuild the [rows, in] tile, (q - zero) * scale, for one
+    matmul over all of `in`, which amortizes better there. Not torch's `_weight_int4pack_mm_for_cpu`: it needs its
+    own blocked layout (a second copy of the codes) and is far slower from a few tokens up."""
     check_linear(x, w.shape, w.packed.device, bias)
     xf = x.float()
     tiled = _split_tiles if x.shape[0] <= SPLIT_MAX_TOKENS else _interleaved_tiles

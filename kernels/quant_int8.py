@@ -24,10 +24,9 @@ if HAS_TRITON:
 __all__ = ["int8_linear_torch", "int8_linear_triton"]
 
 # Weight elements dequantized per step of the torch path (a float32 buffer of 2 MiB): the int8 codes stay the only
-# copy in memory. benchmarks/quant_cpu.py (2 cores): 2^19 beat 2^17 at every decode shape (a 1-token gate_up 0.35
-# against 0.62 ms: fewer, larger matmuls) and matched dequantizing the whole matrix per call except on down
-# [512, 1408] (0.59 against 0.36 ms at 1 token), a transient full copy the largest matrices of a bigger model
-# could not afford. The tests shrink it to cover several tiles.
+# copy in memory. Large enough for few, large matmuls; a whole matrix per call would be a transient full copy the
+# largest matrices of a bigger model could not afford (benchmarks/quant_cpu.py; decision 0019). The tests shrink
+# it to cover several tiles.
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -46,10 +45,9 @@ def int8_linear_torch(
     fits float32) and multiplied with x; the per-channel scale multiplies the product. Returns [num_tokens,
     out_features] in x.dtype. `workspace`, kept by the caller across calls, holds the tile (see tile_buffer).
 
-    Not torch's fused `_weight_int8pack_mm`: for float32 x, at 1 token it was as fast on some matrices and up to
-    1.8x slower on others, and 10-40x slower from 16 tokens up; with bfloat16 x it is fast but rounds x to 8
-    bits, and it crashed (segmentation fault) for in_features 200 and 264 in torch 2.13. See
-    benchmarks/quant_cpu.py."""
+    Not torch's fused `_weight_int8pack_mm`: for float32 x it is no faster at one token and far slower from a few
+    tokens up; with bfloat16 x it rounds x to 8 bits, and it crashed for some input widths in torch 2.13
+    (benchmarks/quant_cpu.py; decision 0019)."""
     check_linear(x, w.shape, w.qweight.device, bias)
     num_tokens = x.shape[0]
     out_features, in_features = w.shape

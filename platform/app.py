@@ -13,6 +13,7 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
 from litestar.plugins.pydantic import PydanticPlugin
+from litestar.template.config import TemplateConfig
 
 from loraplex.engine.serve import GuardedRequest, refuse_nul_bytes
 from loraplex.platform.dependencies import (
@@ -27,6 +28,7 @@ from loraplex.platform.domain.adapters.controllers import adapter_controller
 from loraplex.platform.domain.api_keys.controllers import AdminApiKeyController, TenantApiKeyController
 from loraplex.platform.domain.base_models.controllers import AdminBaseModelController
 from loraplex.platform.domain.billing.controllers import AdminBillingController, AdminPriceController
+from loraplex.platform.domain.billing.page import template_engine
 from loraplex.platform.domain.completions.controllers import CompletionsController
 from loraplex.platform.domain.endpoints.controllers import EndpointController
 from loraplex.platform.domain.fleet.controllers import AdminEngineController
@@ -113,6 +115,8 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
         before_request=refuse_nul_bytes,
         # Bodies are validated strictly, as OpenAI validates them (schemas.RequestBody).
         plugins=[PydanticPlugin(validate_strict=True)],
+        # The billing page's templates; page.render renders them through an engine made the same way.
+        template_config=TemplateConfig(instance=template_engine()),
         openapi_config=OpenAPIConfig(
             title="loraplex",
             version=_version(),

@@ -37,6 +37,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class CheckedPrompt:
+    """A prompt and its sampling parameters that `EngineCore.check_request` found able to run, with the room it
+    leaves for the completion. Made only there: a request is checked once, wherever it enters the engine."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # min(params.max_tokens, room left in the context)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineState:
     """What the platform's router reads: load and free capacity."""
 
@@ -173,30 +183,39 @@ class EngineCore:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        prompt_token_ids: list[int] | CheckedPrompt,
+        params: SamplingParams | None = None,
         *,
         prompt: str | None = None,
         lora: AdapterRef | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validate and queue a request; raises RequestError (ContextLengthExceeded) for bad input. With `lora`,
-        the request waits (not fails) while its adapter loads; a failed load finishes it with an error.
+        """Validate and queue a request; raises RequestError (ContextLengthExceeded) for bad input. A prompt a
+        caller has checked already comes as the `CheckedPrompt` (and no `params`) and is not checked again. With
+        `lora`, the request waits (not fails) while its adapter loads; a failed load finishes it with an error.
 
         `cache_salt` keeps the request's prefix-cache blocks apart from those of requests with another salt (the
         platform gives each tenant its own); the adapter's digest does the same between adapters."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
-        room = self.check_request(prompt_token_ids, params)
+        if isinstance(prompt_token_ids, CheckedPrompt):
+            if params is not None:
+                raise TypeError("a CheckedPrompt carries its own sampling params")
+            checked = prompt_token_ids
+        else:
+            if params is None:
+                raise TypeError("add_request needs sampling params")
+            checked = self.check_request(prompt_token_ids, params)
+        params = checked.params
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         request = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=list(checked.token_ids),
             sampling_params=params,
-            max_tokens=min(params.max_tokens or room, room),
+            max_tokens=checked.max_tokens,
             prompt=prompt,
             generator=generator,
             adapter=self.adapters.request(lora) if lora is not None else None,
@@ -207,8 +226,9 @@ class EngineCore:
         self.scheduler.add(request)
         return request
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise RequestError if the request can never run; return how many tokens it may generate at most.
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedPrompt:
+        """Raise RequestError if the request can never run; else the checked prompt, with how many tokens it may
+        generate at most.
 
         Reads only immutable state, so any thread may call it.
         """
@@ -226,7 +246,7 @@ class EngineCore:
                 f"{asked} tokens ({num_prompt} in the prompt, {params.max_tokens or 0} for the completion). "
                 "Please reduce the length of the prompt or the completion."
             )
-        return room
+        return CheckedPrompt(list(prompt_token_ids), params, min(params.max_tokens or room, room))
 
     def check_prompt_text(self, text: str, param: str = "prompt") -> None:
         """Raise ContextLengthExceeded if `text` is surely too long for the context, told from its length alone, so

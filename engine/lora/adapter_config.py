@@ -23,7 +23,7 @@ from loraplex.engine.lora.errors import AdapterConfigError, AdapterFormatError, 
 CONFIG_FILE = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 << 20
 MAX_PATTERN_ENTRIES = 2048
-# Bounds the regex work of one config (see peft_matching): about 0.1 ms per match and module at most.
+# Bounds the regex work of one config (see peft_matching's bound per pattern; decision 0019 has the cost).
 MAX_TOTAL_REGEX_REPEATS = 32
 # PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for llama, mistral and qwen2 (peft/utils/constants.py).
 DEFAULT_TARGET_MODULES = ("q_proj", "v_proj")

@@ -109,9 +109,8 @@ class LoraCompute:
         if table is None or table.max_rank == 0:
             return
         if x.device.type == "cpu" and batch.longest <= SINGLE_THREAD_MAX_ROWS:
-            # Small per-segment matmuls (decode): a thread team's fork and join costs more than the matmul itself.
-            # Interleaved runs of 64 requests over 19 adapters: LoRA at 0.64-0.79 of base-only throughput on one
-            # thread, 0.53-0.66 on two. (Splitting the segments over two Python threads measured slower still.)
+            # Small per-segment matmuls (decode): a thread team's fork and join costs more than the matmul itself
+            # (decision 0019).
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:

@@ -20,7 +20,8 @@ from typing import Any
 from loraplex.engine.lora.errors import AdapterConfigError
 
 MAX_REGEX_CHARS = 256
-# Measured on a 35-character name: 3 repetitions (plus PEFT's own "(.*\.)?") cost under 0.1 ms a match.
+# Repetitions a pattern may hold (besides PEFT's own "(.*\.)?"): few enough that a hostile config cannot make
+# matching backtrack for long (decision 0019 has the cost of one match).
 MAX_REGEX_REPEATS = 3
 
 # re's own parser (public as sre_parse, deprecated since 3.11): the tree of a pattern, to inspect its shape.

@@ -72,9 +72,9 @@ def addmm(residual: torch.Tensor, x: torch.Tensor, weight: Weight) -> torch.Tens
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
     """A float32 CPU weight [out, in] as the same-shaped view of an input-major copy ([in, out] in memory).
 
-    F.linear then hands MKL x @ W with W stored as is (no transposed operand), which runs up to 2.6x faster at the
-    16-64 rows of decode steps on an AVX-512 CPU and the same at prefill sizes (docs/decisions/0017). Half types
-    go through oneDNN, where the input-major copy is slower, so they keep the checkpoint's layout.
+    F.linear then hands MKL x @ W with W stored as is (no transposed operand), the path MKL runs fastest at the
+    row counts of decode steps and no slower at prefill sizes (docs/decisions/0017). Half types go through oneDNN,
+    which prefers the checkpoint's layout, so they keep it.
     """
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return weight

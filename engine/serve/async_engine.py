@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 
 from loraplex.engine.core.config import EngineConfig
-from loraplex.engine.core.engine_core import EngineCore, EngineState
+from loraplex.engine.core.engine_core import CheckedPrompt, EngineCore, EngineState
 from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.errors import EngineError
@@ -53,8 +53,7 @@ class RequestFailed(EngineError):
 @dataclass(slots=True)
 class _Add:
     request_id: str
-    token_ids: list[int]
-    params: SamplingParams
+    checked: CheckedPrompt
     prompt: str | None
     sink: _Sink
     lora: AdapterRef | None
@@ -130,8 +129,8 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
-        sampling_params: SamplingParams,
+        prompt: str | list[int] | CheckedPrompt,
+        sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
         add_special_tokens: bool = True,
@@ -142,19 +141,28 @@ class AsyncEngine:
 
         Raises RequestError for an invalid request (before anything is yielded), RequestFailed if the engine
         finishes it with an error (its adapter could not be loaded), and EngineDeadError if the engine fails while
-        the request runs.
+        the request runs. A prompt the caller checked already (`core.check_request`) comes as the CheckedPrompt,
+        without `sampling_params`, and is not checked again.
         """
         if self._error is not None:
             raise EngineDeadError("the engine has failed; restart it") from self._error
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            token_ids = self.core.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        text: str | None = None
+        if isinstance(prompt, CheckedPrompt):
+            if sampling_params is not None:
+                raise TypeError("a CheckedPrompt carries its own sampling params")
+            checked = prompt
         else:
-            text, token_ids = None, list(prompt)
-        self.core.check_request(token_ids, sampling_params)
+            if sampling_params is None:
+                raise TypeError("generate needs sampling params")
+            if isinstance(prompt, str):
+                text = prompt
+                token_ids = self.core.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            else:
+                token_ids = list(prompt)
+            checked = self.core.check_request(token_ids, sampling_params)
         sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, token_ids, sampling_params, text, sink, lora, cache_salt))
+        self._commands.put(_Add(request_id, checked, text, sink, lora, cache_salt))
         self._wakeup.set()
         finished = False
         try:
@@ -279,8 +287,7 @@ class AsyncEngine:
             try:
                 request = self.core.add_request(
                     command.request_id,
-                    command.token_ids,
-                    command.params,
+                    command.checked,
                     prompt=command.prompt,
                     lora=command.lora,
                     cache_salt=command.cache_salt,

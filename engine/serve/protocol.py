@@ -45,6 +45,12 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 Prompt = str | list[int] | list[str] | list[list[int]]
 
 
+def completion_limit(max_completion_tokens: int | None, max_tokens: int | None) -> int | None:
+    """The completion's token limit of a chat request: `max_completion_tokens`, else the older `max_tokens` (OpenAI
+    deprecated it for the former; both are accepted, and the newer wins when both are given)."""
+    return max_completion_tokens if max_completion_tokens is not None else max_tokens
+
+
 def _unsupported(param: str, message: str) -> RequestError:
     return RequestError(message, code="unsupported_value", param=param)
 
@@ -411,9 +417,9 @@ class ChatCompletionRequest(_SamplingFields):
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", code="invalid_value", param="top_logprobs")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        limit = completion_limit(self.max_completion_tokens, self.max_tokens)
+        return self._sampling_params(max_tokens=limit, logprobs=logprobs)
 
     def template_messages(self) -> list[dict[str, str]]:
         return [message.for_template() for message in self.messages]

@@ -193,6 +193,7 @@ class FleetRegistration:
         )
         self._failing = False  # the previous beat failed (log the first failure and the recovery only)
         self._withdrawn = False
+        self.num_failed_beats = 0  # over the server's life
 
     async def beat(self) -> None:
         """Write this engine's entry (or withdraw it if the engine has failed). Raises the Redis client's errors."""
@@ -222,6 +223,7 @@ class FleetRegistration:
             try:
                 await asyncio.wait_for(self.beat(), timeout=self.config.interval_s * 2)
             except Exception as exc:  # Redis down, a timeout, a refused write: the next beat tries again
+                self.num_failed_beats += 1
                 if not self._failing:
                     logger.warning("fleet registration in %s failed (retrying every beat): %r", self._where(), exc)
                 self._failing = True

@@ -297,6 +297,7 @@ def create_engine_app(
         return serving
 
     lifespan = []
+    fleet: FleetRegistration | None = None
     if registration is not None:
         fleet = FleetRegistration(engine, registration)
 
@@ -312,7 +313,7 @@ def create_engine_app(
     openai = Router(
         path="/", route_handlers=[OpenAIController], guards=[] if api_key is None else [api_key_guard(api_key)]
     )
-    return Litestar(
+    app = Litestar(
         route_handlers=[openai, OperationsController],
         dependencies={"serving": Provide(provide_serving, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
@@ -322,6 +323,8 @@ def create_engine_app(
         logging_config=None,  # the process configures logging; Litestar's default would replace its handlers
         lifespan=lifespan,
     )
+    app.state.fleet_registration = fleet  # None without a registration; its counters are for operators and tests
+    return app
 
 
 async def load_lora_modules(engine: AsyncEngine, lora_modules: Sequence[LoRARequest]) -> LoraRegistry:

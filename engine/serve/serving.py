@@ -33,6 +33,7 @@ from typing import Any, Final, TypeVar
 from litestar import Request
 from pydantic import BaseModel
 
+from loraplex.engine.core.engine_core import CheckedPrompt
 from loraplex.engine.core.outputs import PositionLogprobs, RequestOutput
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.errors import ContextLengthExceeded
@@ -75,8 +76,12 @@ OFFLOAD_TOKENIZE_CHARS: Final = 16_384
 
 @dataclass(slots=True)
 class _Prompt:
-    token_ids: list[int]
+    checked: CheckedPrompt  # its token ids, checked once, here
     text: str | None  # the prompt as text, for echo (decoded when it came as token ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.checked.token_ids
 
 
 @dataclass(slots=True)
@@ -237,9 +242,9 @@ class OpenAIServing:
             )
         return model or self.model_name, AdapterRef(name=adapter.name, source=source, digest=adapter.digest)
 
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> CheckedPrompt:
         try:
-            self.engine.core.check_request(token_ids, params)
+            return self.engine.core.check_request(token_ids, params)
         except ContextLengthExceeded as exc:
             exc.param = param
             raise
@@ -286,12 +291,13 @@ class OpenAIServing:
         tokenizer = self.engine.core.tokenizer
         prompts: list[_Prompt] = []
         for prompt in body.prompts:
+            text: str | None
             if isinstance(prompt, str):
-                prompts.append(_Prompt(await self._encode(prompt, add_special_tokens=True, param="prompt"), prompt))
+                token_ids, text = await self._encode(prompt, add_special_tokens=True, param="prompt"), prompt
             else:
+                token_ids = list(prompt)
                 text = tokenizer.decode(prompt, skip_special_tokens=False) if body.echo else None
-                prompts.append(_Prompt(list(prompt), text))
-            self._check_prompt(prompts[-1].token_ids, params, "prompt")
+            prompts.append(_Prompt(self._check_prompt(token_ids, params, "prompt"), text))
         return self._job("cmpl", body, prompts, params, arrived, model, lora)
 
     async def chat_job(self, body: ChatCompletionRequest) -> Job:
@@ -301,8 +307,8 @@ class OpenAIServing:
         tokenizer = self.engine.core.tokenizer
         text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt)
         # The rendered template carries its own special tokens (BOS included): adding them again would double them.
-        prompt = _Prompt(await self._encode(text, add_special_tokens=False, param="messages"), text)
-        self._check_prompt(prompt.token_ids, params, "messages")
+        token_ids = await self._encode(text, add_special_tokens=False, param="messages")
+        prompt = _Prompt(self._check_prompt(token_ids, params, "messages"), text)
         return self._job("chatcmpl", body, [prompt], params, arrived, model, lora)
 
     # generation
@@ -316,7 +322,7 @@ class OpenAIServing:
         failed = False
         try:
             outputs = self.engine.generate(
-                prompt.token_ids, job.params, request_id, lora=job.lora, cache_salt=job.cache_salt
+                prompt.checked, request_id=request_id, lora=job.lora, cache_salt=job.cache_salt
             )
             # Closing the generator is what aborts the request.
             async with contextlib.aclosing(outputs):

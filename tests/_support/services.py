@@ -31,7 +31,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +46,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from sqlalchemy.engine import make_url
+
+from _support.waiting import poll
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -675,14 +676,13 @@ def _wait_until(
     interval_s: float = 0.1,
 ) -> bool:
     """Poll `ready` until it says yes (True), the process exits or the time runs out (False)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def ready_or_exited() -> str | None:
         if process is not None and process.poll() is not None:
-            return False
-        if ready():
-            return True
-        time.sleep(interval_s)
-    return False
+            return "exited"
+        return "ready" if ready() else None
+
+    return poll(ready_or_exited, timeout_s, interval_s=interval_s) == "ready"
 
 
 def free_port() -> int:

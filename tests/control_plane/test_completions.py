@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import secrets
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +24,14 @@ import torch
 from _support import services
 from _support.adapters import make_peft_adapter
 from _support.services import PostgresServer, RedisServer, S3Server
+from _support.waiting import wait_for
 from litestar import Litestar
+from sqlalchemy import text
 
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.engine.model.tokenizer import Tokenizer
 from loraplex.platform.app import create_app
+from loraplex.platform.db.engine import create_engine
 from loraplex.platform.resources import Resources
 from loraplex.platform.settings import Settings
 
@@ -205,17 +207,6 @@ def envelope(exc: openai.APIStatusError) -> dict[str, Any]:
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"]
     return error
-
-
-def poll(condition: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    """`condition()` once it is truthy; fails after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.05)
 
 
 def same_counts(usage: Any, other: Any) -> bool:
@@ -630,6 +621,38 @@ def test_a_tenant_over_its_limits_gets_429_with_retry_after(platform: Platform) 
     assert "too large" in envelope(info.value)["message"].lower()
 
 
+def test_an_adapter_that_is_not_ready_is_409_wherever_it_is_named(
+    platform: Platform, settings: Settings, adapter_dir: Path
+) -> None:
+    """One rule, one answer: a completion through an endpoint on it and a new endpoint on it are both 409."""
+    tenant = platform.make_tenant()
+    adapter = platform.upload_adapter(tenant, adapter_dir, "pending")
+    platform.make_endpoint(tenant, "pending-bot", platform.base_model, adapter["id"])
+
+    async def set_status(status: str) -> None:
+        engine = create_engine(settings.effective_database_url)
+        try:
+            async with engine.begin() as connection:
+                await connection.execute(
+                    text("UPDATE adapters SET status = :status WHERE id = :id"), {"status": status, "id": adapter["id"]}
+                )
+        finally:
+            await engine.dispose()
+
+    asyncio.run(set_status("validating"))
+    try:
+        with pytest.raises(openai.ConflictError) as info:
+            platform.client(tenant.key).chat.completions.create(model="pending-bot", messages=MESSAGES)
+        assert envelope(info.value)["code"] == "adapter_not_ready"
+        body = {"name": "another-bot", "base_model": platform.base_model, "adapter_id": adapter["id"]}
+        response = platform.post(tenant, "/v1/endpoints", json=body)
+        assert response.status_code == 409, response.text
+        assert response.json()["error"]["code"] == "adapter_not_ready"
+        assert response.json()["error"]["param"] == "adapter_id"
+    finally:
+        asyncio.run(set_status("ready"))
+
+
 def test_a_model_no_engine_serves_is_503(platform: Platform, owner: Owner) -> None:
     platform.make_endpoint(owner.tenant, "offline-bot", OTHER_BASE)
     client = platform.client(owner.tenant.key)
@@ -679,7 +702,7 @@ def test_an_adapter_the_engine_cannot_load_fails_the_request_without_leaking_whe
     assert set(last) == {"error"} and last["error"]["code"] == "lora_adapter_load_failed"
     assert "s3://" not in last["error"]["message"]
     # Both are billed as failed requests, with nothing generated.
-    rows = poll(lambda: found if len(found := platform.usage_rows(tenant)) >= 2 else None)
+    rows = wait_for(lambda: found if len(found := platform.usage_rows(tenant)) >= 2 else None)
     assert [(r["status"], r["completion_tokens"]) for r in rows] == [("error", 0), ("error", 0)]
 
 
@@ -718,7 +741,7 @@ def test_usage_has_one_row_per_request_with_the_tokens_the_responses_reported(
     note(pieces[-1].id, "usage-bot", pieces[-1].usage, pieces[-2].choices[0].finish_reason)
     assert len(expected) == 4  # four distinct request ids
 
-    rows = poll(lambda: found if len(found := platform.usage_rows(tenant)) >= 4 else None)
+    rows = wait_for(lambda: found if len(found := platform.usage_rows(tenant)) >= 4 else None)
     assert len(rows) == 4
     got = {
         r["request_id"]: (r["model"], r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"], r["status"])
@@ -767,10 +790,10 @@ def test_a_client_gone_mid_stream_is_billed_once_for_what_it_was_sent(platform: 
             if received >= 5:
                 break  # and leave: the connection closes here
     assert request_id is not None
-    [row] = poll(lambda: platform.usage_rows(tenant))
+    [row] = wait_for(lambda: platform.usage_rows(tenant))
     # The engine stopped generating for it (its request was aborted, not run to max_tokens)...
-    poll(lambda: engine.state().num_running == 0 and engine.state().num_waiting == 0)
-    time.sleep(0.5)
+    wait_for(lambda: engine.state().num_running == 0 and engine.state().num_waiting == 0)
+    wait_for(lambda: platform.resources.usage.num_in_flight == 0)  # nothing more is on its way to the ledger
     # ...and it is billed once, for every token it was sent and not for the ones it was not.
     assert platform.usage_rows(tenant) == [row]
     assert row["request_id"] == request_id
@@ -792,7 +815,7 @@ def test_a_client_that_gives_up_on_a_non_streamed_request_stops_its_generation(p
     }
     with pytest.raises(httpx.ReadTimeout):
         platform.post(tenant, "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.2))
-    [row] = poll(lambda: platform.usage_rows(tenant))
-    poll(lambda: engine.state().num_running == 0 and engine.state().num_waiting == 0)
+    [row] = wait_for(lambda: platform.usage_rows(tenant))
+    wait_for(lambda: engine.state().num_running == 0 and engine.state().num_waiting == 0)
     assert row["status"] == "cancelled"
     assert row["completion_tokens"] < max_tokens  # aborted, not run to the end for nobody

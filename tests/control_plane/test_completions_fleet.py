@@ -36,6 +36,8 @@ import redis
 from _support import services
 from _support.adapters import make_peft_adapter
 from _support.services import PostgresServer, RedisServer, S3Server
+from _support.waiting import poll
+from litestar import Litestar
 from openai.types.chat import ChatCompletionChunk
 
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
@@ -91,15 +93,6 @@ def settings(
 def _free_ports(count: int) -> list[int]:
     # Below 55535 and clear of +10000: SeaweedFS servers other sessions start take such pairs.
     return services.free_port_pairs(count)
-
-
-def _wait_for(condition: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval_s)
-    return condition()
 
 
 @dataclass
@@ -175,7 +168,7 @@ def engine(
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
     running = EngineProcess(process, url, log)
     try:
-        started = _wait_for(lambda: process.poll() is not None or _healthy(url), timeout_s=90, interval_s=0.2)
+        started = poll(lambda: process.poll() is not None or _healthy(url), 90, interval_s=0.2)
         assert started and process.poll() is None, f"the engine did not start:\n{running.log_tail()}"
         yield running
     finally:
@@ -191,6 +184,12 @@ def engine(
 @dataclass
 class Platform:
     url: str
+    app: Litestar
+
+    @property
+    def router(self) -> Router:
+        router: Router = self.app.state.resources.router
+        return router
 
     def get(self, path: str, headers: dict[str, str]) -> httpx.Response:
         return httpx.get(f"{self.url}{path}", headers=headers, timeout=30)
@@ -211,8 +210,9 @@ class Platform:
 def platform(settings: Settings, tiny_base_checkpoint: Path) -> Iterator[Platform]:
     """The platform app on uvicorn (lifespan included) in a thread with its own event loop; BASE registered."""
     (port,) = _free_ports(1)
-    with serving(create_app(settings), port=port, start_timeout_s=60) as url:
-        value = Platform(url)
+    app = create_app(settings)
+    with serving(app, port=port, start_timeout_s=60) as url:
+        value = Platform(url, app)
         response = value.post("/admin/base-models", ADMIN, json={"name": BASE, "source": str(tiny_base_checkpoint)})
         assert response.status_code == 201, response.text
         yield value
@@ -486,12 +486,14 @@ def test_admin_engines_lists_the_replica_with_its_adapters_and_load(
 ) -> None:
     _chat_text(tenant, platform)  # the adapter is resident on the engine from here on
 
-    def listed_idle_with_adapter() -> bool:  # a beat taken while the request ran shows it running
+    def listed_idle_with_adapter() -> dict[str, Any] | None:  # a beat taken while the request ran shows it running
         replica = platform.engines().get(ENGINE_ID)
-        return replica is not None and replica["adapters"] == [tenant.digest] and replica["num_running"] == 0
+        idle = replica is not None and replica["adapters"] == [tenant.digest] and replica["num_running"] == 0
+        return replica if idle else None
 
-    assert _wait_for(listed_idle_with_adapter, timeout_s=5), f"adapter not listed: {platform.engines()}"
-    replica = platform.engines()[ENGINE_ID]
+    # Checked on the one record that showed it idle: each read may be another beat.
+    replica = poll(listed_idle_with_adapter, 5)
+    assert replica is not None, f"adapter not listed: {platform.engines()}"
     assert (replica["url"], replica["base_model"]) == (engine.url, BASE)
     assert 0 < replica["free_pages"] <= replica["num_pages"]
     assert 0 <= replica["evictable_pages"] <= replica["num_pages"]
@@ -658,14 +660,14 @@ def test_router_prefers_the_resident_adapter_and_drops_a_silent_replica(
         replica = platform.engines()[ENGINE_ID]
         return replica["adapters"] == [tenant.digest] and (replica["num_waiting"], replica["num_running"]) == (0, 0)
 
-    assert _wait_for(idle_with_adapter, timeout_s=30), platform.engines()
-    time.sleep(RECENT_S)  # and let the router forget its own recent picks
+    assert poll(idle_with_adapter, 30), platform.engines()
+    assert poll(lambda: not platform.router.recent_picks(), RECENT_S + 2)  # it has forgotten its own recent picks
 
     stub_adapters: list[str] = []
     heartbeat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: stub_engine.record(stub_adapters))
     heartbeat.start()
     try:
-        assert _wait_for(lambda: set(platform.engines()) == {ENGINE_ID, stub_engine.id}, timeout_s=3)
+        assert poll(lambda: set(platform.engines()) == {ENGINE_ID, stub_engine.id}, 3)
         cache_key = f"k-{secrets.token_hex(4)}"
 
         # No adapter and no warm replica: the idle stub wins on load (its id breaks the tie), and this prompt cache
@@ -682,7 +684,7 @@ def test_router_prefers_the_resident_adapter_and_drops_a_silent_replica(
         # new key goes to the stub, which is sent the adapter by its S3 folder and digest, never a tenant's path.
         stub_adapters.append(tenant.digest)
         heartbeat.beat()
-        assert _wait_for(
+        assert poll(
             lambda: all(replica["adapters"] == [tenant.digest] for replica in platform.engines().values()), timeout_s=3
         ), platform.engines()
         assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == expected, platform.engines()
@@ -706,7 +708,7 @@ def test_router_prefers_the_resident_adapter_and_drops_a_silent_replica(
         # serves what would have gone to it.
         heartbeat.stop()
         silent_since = time.monotonic()
-        assert _wait_for(lambda: set(platform.engines()) == {ENGINE_ID}, timeout_s=HEARTBEAT_TTL_MS / 1000 + 3)
+        assert poll(lambda: set(platform.engines()) == {ENGINE_ID}, HEARTBEAT_TTL_MS / 1000 + 3)
         assert time.monotonic() - silent_since > HEARTBEAT_TTL_MS / 1000 - 2  # it was listed while its key lived
         assert heartbeat.members() == {ENGINE_ID}  # the reader removed the expired member
         num_received = len(stub_engine.received)
@@ -725,7 +727,7 @@ def test_a_stream_the_engine_cuts_off_ends_with_an_error_and_is_billed_as_one(
     heartbeat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: stub_engine.record([]))
     heartbeat.start()  # idle and sorting first: a new cache key's base-model requests go to the stub
     try:
-        assert _wait_for(lambda: set(platform.engines()) == {ENGINE_ID, stub_engine.id}, timeout_s=3)
+        assert poll(lambda: set(platform.engines()) == {ENGINE_ID, stub_engine.id}, 3)
         stream = tenant.openai(platform).chat.completions.create(
             model=BASE, messages=MESSAGES, stream=True, prompt_cache_key=f"k-{secrets.token_hex(4)}"
         )
@@ -736,7 +738,7 @@ def test_a_stream_the_engine_cuts_off_ends_with_an_error_and_is_billed_as_one(
         assert "unavailable" in info.value.message
         assert [c.choices[0].delta.content for c in chunks] == [STUB_TEXT]
 
-        assert _wait_for(lambda: _usage_row(platform, tenant, chunks[0].id) is not None, timeout_s=5)
+        assert poll(lambda: _usage_row(platform, tenant, chunks[0].id) is not None, 5)
         row = _usage_row(platform, tenant, chunks[0].id)
         assert row is not None and (row["status"], row["completion_tokens"]) == ("error", 1)
     finally:
@@ -765,10 +767,10 @@ def test_an_engine_gets_more_concurrent_requests_than_an_http_pool_default(
             return await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(num_requests)))
 
     try:
-        assert _wait_for(lambda: stub_engine.id in platform.engines(), timeout_s=3)
+        assert poll(lambda: stub_engine.id in platform.engines(), 3)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answers = pool.submit(asyncio.run, burst())
-            _wait_for(lambda: len(stub_engine.received) == num_requests, timeout_s=30)
+            poll(lambda: len(stub_engine.received) == num_requests, 30)
             num_arrived = len(stub_engine.received)
             stub_engine.release.set()
             responses = answers.result(timeout=60)
@@ -791,7 +793,7 @@ def test_a_replica_that_refuses_connections_is_routed_around(
     heartbeat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: ghost.record([tenant.digest]))
     heartbeat.start()  # still beating, adapter resident, idle, sorting first: the router's first choice
     try:
-        assert _wait_for(lambda: set(platform.engines()) == {ENGINE_ID, ghost.id}, timeout_s=3)
+        assert poll(lambda: set(platform.engines()) == {ENGINE_ID, ghost.id}, 3)
         cache_key = f"k-{secrets.token_hex(4)}"  # warm nowhere yet
         assert _chat_text(tenant, platform, prompt_cache_key=cache_key) == expected  # the ghost refused it first
         for _ in range(2):  # the key is warm on the ghost now, and the ghost is still its best choice otherwise
@@ -803,7 +805,7 @@ def test_a_replica_that_refuses_connections_is_routed_around(
         second_beat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: second.record([tenant.digest]))
         second_beat.start()
         try:
-            assert _wait_for(lambda: second.id in platform.engines(), timeout_s=3)
+            assert poll(lambda: second.id in platform.engines(), 3)
             chunks = tenant.openai(platform).chat.completions.create(
                 model=ENDPOINT,
                 messages=MESSAGES,
@@ -833,7 +835,7 @@ def test_a_request_no_replica_accepts_is_a_503(
     for heartbeat in heartbeats:
         heartbeat.start()
     try:
-        assert _wait_for(lambda: {g.id for g in ghosts} <= set(platform.engines()), timeout_s=3)
+        assert poll(lambda: {g.id for g in ghosts} <= set(platform.engines()), 3)
         for stream in (False, True):
             body = {"model": name, "messages": MESSAGES, "max_tokens": 2, "stream": stream}
             response = platform.post("/v1/chat/completions", tenant.headers, json=body)
@@ -928,11 +930,11 @@ def test_a_client_that_goes_away_stops_the_engine_and_is_billed_for_what_it_got(
             break
     stream.close()
 
-    assert _wait_for(lambda: engine_state()["num_running"] == 0, timeout_s=5), engine_state()
+    assert poll(lambda: engine_state()["num_running"] == 0, 5), engine_state()
     # The request asked for MAX_MODEL_LEN - 200 tokens; the engine stopped soon after the client left.
     assert engine_state()["num_steps"] - steps_before < MAX_MODEL_LEN // 4
 
-    assert _wait_for(lambda: _usage_row(platform, tenant, chunks[0].id) is not None, timeout_s=5)
+    assert poll(lambda: _usage_row(platform, tenant, chunks[0].id) is not None, 5)
     row = _usage_row(platform, tenant, chunks[0].id)
     assert row is not None and row["status"] == "cancelled"
     # Billed what was sent: at least what this client read, and far from the whole answer.
@@ -959,7 +961,7 @@ def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error_and_bills_wha
     num_tokens = _num_tokens(chunks)  # handed to the client
     assert "engine" in info.value.message and "unavailable" in info.value.message
     request_id = chunks[0].id
-    assert _wait_for(lambda: _usage_row(platform, tenant, request_id) is not None, timeout_s=5), "no usage row"
+    assert poll(lambda: _usage_row(platform, tenant, request_id) is not None, 5), "no usage row"
     row = _usage_row(platform, tenant, request_id)
     assert row is not None
     assert row["status"] == "error"
@@ -968,7 +970,7 @@ def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error_and_bills_wha
     assert row["prompt_tokens"] > 0
 
     # No beats any more: once the key has expired the engine leaves the fleet, and nothing serves the base model.
-    assert _wait_for(lambda: ENGINE_ID not in platform.engines(), timeout_s=HEARTBEAT_TTL_MS / 1000 + 3)
+    assert poll(lambda: ENGINE_ID not in platform.engines(), HEARTBEAT_TTL_MS / 1000 + 3)
     body = {"model": ENDPOINT, "messages": MESSAGES, "max_tokens": 2}
     for stream_it in (False, True):
         response = platform.post("/v1/chat/completions", tenant.headers, json={**body, "stream": stream_it})

@@ -17,13 +17,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from _support.waiting import wait_for
 
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.platform.domain.completions.service import engine_error
 from loraplex.platform.domain.fleet.client import EngineRequestError
 
 from . import test_completions
-from .test_completions import ADMIN, ENDPOINT, Owner, Platform, envelope, poll
+from .test_completions import ADMIN, ENDPOINT, Owner, Platform, envelope
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +87,7 @@ def test_text_parts_are_the_same_conversation_as_strings_streamed_and_not(platfo
         final = stream.get_final_completion()
     assert "".join(deltas) == final.choices[0].message.content == stopped.choices[0].message.content
     # Each usage row is written once its answer has been sent: wait for the last one.
-    rows = poll(
+    rows = wait_for(
         lambda: (
             found if final.id in (found := {r["request_id"]: r for r in platform.usage_rows(owner.tenant)}) else None
         )

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from _support.waiting import wait_for_async
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from sqlalchemy import func, select
@@ -276,11 +277,11 @@ class TestOutbox:
         await RedisOutbox(store).append(event(tenant_ids[0]).encode())
         drainer = asyncio.create_task(open_usage_recorder(sessions, store).run_drainer(0.05))
         try:
-            for _ in range(100):
-                if await count(sessions) == 1:
-                    break
-                await asyncio.sleep(0.05)
-            assert await count(sessions) == 1
+
+            async def drained() -> bool:
+                return await count(sessions) == 1
+
+            await wait_for_async(drained, 5, what="the drainer to write the entry")
         finally:
             drainer.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -435,11 +436,12 @@ async def test_the_app_drains_the_outbox_in_the_background(
         redis_outbox = RedisOutbox(store)
         sent = event(uuid.UUID(tenant["id"]))
         await redis_outbox.append(sent.encode())
-        for _ in range(100):
-            body = (await client.get("/v1/usage", headers=bearer(key))).json()
-            if body["data"]:
-                break
-            await asyncio.sleep(0.05)
+
+        async def listed() -> dict[str, Any] | None:
+            body: dict[str, Any] = (await client.get("/v1/usage", headers=bearer(key))).json()
+            return body if body["data"] else None
+
+        body = await wait_for_async(listed, 5, what="the drained row in /v1/usage")
         assert [r["request_id"] for r in body["data"]] == [sent.request_id]
         assert await redis_outbox.size() == 0
 

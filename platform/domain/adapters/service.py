@@ -61,19 +61,28 @@ def adapter_prefix(tenant_id: uuid.UUID, adapter_id: uuid.UUID) -> str:
     return f"tenants/{tenant_id}/adapters/{adapter_id}/"
 
 
+def require_ready(adapter: Adapter, *, param: str | None = None) -> None:
+    """The one rule for an adapter that cannot serve yet (validating, or failed): 409 adapter_not_ready, a conflict
+    with the adapter's state, wherever it is named (an endpoint made on it, a completion through one)."""
+    if adapter.status != AdapterStatus.READY.value or adapter.digest is None:
+        raise ApiError(
+            409,
+            f"Adapter '{adapter.name}' v{adapter.version} is not ready (status {adapter.status}).",
+            code="adapter_not_ready",
+            param=param,
+        )
+
+
 def ready_adapter_ref(resources: Resources, adapter: Adapter) -> AdapterLocation:
     """Where an engine loads `adapter` from (its folder, holding adapter_config.json and
     adapter_model.safetensors as `loraplex.engine.lora.read_adapter_dir` reads them) and its content digest.
 
     With the S3 object store the folder is `s3://{bucket}/tenants/{tenant_id}/adapters/{adapter_id}`; with the
-    local one (embedded mode) it is that folder's absolute path on this machine. No I/O. Raises a 400 ApiError
-    (code adapter_not_ready) unless the adapter is ready. Also `AdapterService.ready_adapter_ref(adapter)`.
+    local one (embedded mode) it is that folder's absolute path on this machine. No I/O. Raises `require_ready`'s
+    409 unless the adapter is ready. Also `AdapterService.ready_adapter_ref(adapter)`.
     """
-    if adapter.status != AdapterStatus.READY.value or adapter.digest is None:
-        raise invalid_request(
-            f"Adapter '{adapter.name}' v{adapter.version} is not ready (status {adapter.status}).",
-            code="adapter_not_ready",
-        )
+    require_ready(adapter)
+    assert adapter.digest is not None
     folder = adapter_prefix(adapter.tenant_id, adapter.id).rstrip("/")
     objects = resources.objects
     if isinstance(objects, S3ObjectStore):

@@ -9,9 +9,10 @@ from datetime import UTC, datetime
 
 from litestar import Controller, MediaType, Response, get, put
 from litestar.params import FromQuery, JSONBody
+from litestar.response import Template
 
 from loraplex.platform.dependencies import DbSession
-from loraplex.platform.domain.billing.page import PAGE_HEADERS, gather, page_range, render
+from loraplex.platform.domain.billing.page import PAGE_HEADERS, PAGE_TEMPLATE, gather, page_context, page_range
 from loraplex.platform.domain.billing.rating import GroupBy
 from loraplex.platform.domain.billing.schemas import BillingReportOut, PriceList, PriceOut, PriceSet, report_csv
 from loraplex.platform.domain.billing.service import BillingService
@@ -70,7 +71,7 @@ class AdminBillingController(Controller):
     )
     async def page(
         self, db: DbSession, start: FromQuery[str | None] = None, end: FromQuery[str | None] = None
-    ) -> Response[str]:
+    ) -> Template:
         now = datetime.now(UTC)
         since, until = page_range(
             None if start is None else parse_instant(start, param="start"),
@@ -78,7 +79,13 @@ class AdminBillingController(Controller):
             now=now,
         )
         data = await gather(db, start=since, end=until)
-        return Response(render(data, generated_at=now), media_type=MediaType.HTML, headers=PAGE_HEADERS)
+        # Rendered by the app's engine (page.template_engine, in app.py's TemplateConfig), as page.render renders it.
+        return Template(
+            PAGE_TEMPLATE,
+            context=page_context(data, generated_at=now),
+            media_type=MediaType.HTML,
+            headers=PAGE_HEADERS,
+        )
 
     @get(
         "/report",

@@ -1,22 +1,30 @@
 """The admin billing page (`GET /admin/billing`): one period's billing reports drawn as a self-contained HTML page.
 
-Everything on the page is made here, on the server: inline CSS and inline SVG; no script, no font, no URL. The
-page goes out with a Content-Security-Policy that lets nothing load (`PAGE_HEADERS`), so a slip here cannot make a
+Here lives the data side: the reports (`gather`), the period (`page_range`), and the view model the templates lay
+out (`BillingPage` and its parts, built by `page_view`): every figure formatted, every length computed. The markup,
+SVG and CSS live in templates/ (billing_page.html, billing_charts.html, billing_page.css), rendered by Litestar's
+Jinja engine with autoescaping on, so every string a tenant chose (tenant and endpoint names) is escaped wherever it
+lands without a call here. The controller answers a `Template` response through the app's engine; `render` gives
+the same bytes through an engine made the same way (`template_engine`), for tests.
+
+Everything on the page is made on the server: inline CSS and inline SVG; no script, no font, no URL. The page goes
+out with a Content-Security-Policy that lets nothing load (`PAGE_HEADERS`), so a slip in a template cannot make a
 browser fetch from anywhere. Every figure shown is a rounded figure of a `BillingService` report, formatted but
-never recomputed; only the geometry (bar lengths) is float. Every string a tenant chose (tenant and endpoint names)
-goes through `html.escape`. Why: docs/decisions/0013-billing-page.md.
+never recomputed; only the geometry (bar lengths) is float. Why: docs/decisions/0013-billing-page.md.
 """
 
 from __future__ import annotations
 
-import html
 import math
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
+from pathlib import Path
 
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from litestar.plugins.jinja import JinjaTemplateEngine
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.domain.billing.rating import MONEY_QUANTUM, GroupBy, Line
@@ -40,6 +48,9 @@ PAGE_HEADERS = {
     "Cache-Control": "no-store",  # money of named customers: not for shared caches
 }
 NO_USAGE = "No usage in this period."
+
+TEMPLATES = Path(__file__).with_name("templates")
+PAGE_TEMPLATE = "billing_page.html"
 
 # Tableau 10's first eight (distinct in print and for the common colour-vision deficiencies), then a grey for
 # the tenants beyond them.
@@ -102,70 +113,250 @@ def stacked_tenants(by_tenant: BillingReport) -> list[str]:
     return [_tenant_id(line) for line in _costliest(by_tenant.lines, MAX_STACKED_TENANTS)]
 
 
-def render(data: BillingPageData, *, generated_at: datetime) -> str:
-    """The whole page. Pure: the same data gives the same bytes."""
+# --- the view model -----------------------------------------------------------------------------------------------
+# What the templates lay out. Strings are as shown (raw: the templates escape them), geometry is in viewBox units,
+# floats already formatted (to .1f or .2f, as the SVG has always carried them).
+
+
+@dataclass(frozen=True, slots=True)
+class Card:
+    """One of the totals at the top."""
+
+    name: str  # its `data-total`
+    label: str
+    value: str
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A chart's <svg>: `chart` is its `data-chart` and prefixes the ids of its title and description."""
+
+    chart: str
+    width: int
+    height: int
+    title: str
+    desc: str
+
+
+@dataclass(frozen=True, slots=True)
+class NoData:
+    """The message a chart with nothing to draw shows in its middle."""
+
+    x: str
+    y: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class AxisLabel:
+    x: str
+    y: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """A gridline of the cost chart and its cost label."""
+
+    y: str
+    label_y: str
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One tenant's cost on one day: a piece of that day's bar."""
+
+    tenant_id: str  # or "other": the tenants beyond the stacked ones
+    day: str
+    cost: str  # as the report writes it
+    x: str
+    y: str
+    width: str
+    height: str
+    fill: str
+    title: str
+
+
+@dataclass(frozen=True, slots=True)
+class DayBar:
+    day: str
+    title: str
+    segments: tuple[Segment, ...]  # bottom up
+
+
+@dataclass(frozen=True, slots=True)
+class DaySlot:
+    """A day of the period: its bar (None without usage) and its date under the axis (None between labelled days)."""
+
+    bar: DayBar | None
+    label: AxisLabel | None
+
+
+@dataclass(frozen=True, slots=True)
+class LegendItem:
+    tenant_id: str
+    name: str
+    colour: str
+
+
+@dataclass(frozen=True, slots=True)
+class CostPlot:
+    x1: int  # the plot's left and right edges, where gridlines and the axis run
+    x2: int
+    tick_x: int  # where the cost labels end
+    base_y: int
+    ticks: tuple[Tick, ...]
+    days: tuple[DaySlot, ...]
+    legend: tuple[LegendItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CostChart:
+    """The cost per day: a plot, or (exactly one of the two) a message when nothing was priced."""
+
+    frame: Frame
+    plot: CostPlot | None
+    no_data: NoData | None
+
+
+@dataclass(frozen=True, slots=True)
+class Bar:
+    row_id: str  # its `data-id`: a tenant or endpoint id
+    value: str  # as shown, and its `data-value`
+    title: str
+    label: str  # cut to fit; the whole of it is in the title
+    text_y: int
+    rect_y: int
+    length: str
+
+
+@dataclass(frozen=True, slots=True)
+class BarPlot:
+    label_x: int  # where the labels end
+    bar_x: int
+    bar_width: int  # the track's, a full bar's
+    bar_height: int
+    value_x: int
+    colour: str
+    bars: tuple[Bar, ...]
+    axis: tuple[AxisLabel, ...]
+    more: str | None  # how many rows were left out, when any were
+
+
+@dataclass(frozen=True, slots=True)
+class BarChart:
+    """A horizontal bar chart: a plot, or (exactly one of the two) a message when it has no rows."""
+
+    frame: Frame
+    plot: BarPlot | None
+    no_data: NoData | None
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRow:
+    """A row of the tenants' table; the last is the totals."""
+
+    name: str
+    requests: str
+    input_tokens: str
+    cached_input_tokens: str
+    output_tokens: str
+    cache_hit_rate: str
+    cost: str
+    cache_savings: str
+    total: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BillingPage:
+    """The whole page, as templates/billing_page.html lays it out."""
+
+    period: str
+    cards: tuple[Card, ...]
+    empty_message: str | None  # said when the period has no usage
+    cost_per_day: CostChart
+    hit_rates: BarChart
+    endpoints: BarChart
+    max_endpoints: int
+    tenants: tuple[TenantRow, ...]  # empty (no table) when the period has no usage
+    currency: str
+    generated: str
+
+
+def template_engine() -> JinjaTemplateEngine:
+    """A Litestar Jinja engine over templates/. Autoescaped: `{{ }}` escapes for text and double-quoted attributes
+    (`<>&'"`), and nothing on the page is marked safe. A name the templates get wrong fails instead of rendering
+    empty. Block tags take their line with them, so the templates can be indented without blank lines in the page.
+    The app's TemplateConfig gets one and `render` another, so both give the same bytes."""
+    environment = Environment(
+        loader=FileSystemLoader(TEMPLATES),
+        autoescape=True,
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    return JinjaTemplateEngine.from_environment(environment)
+
+
+_ENGINE = template_engine()
+
+
+def page_view(data: BillingPageData, *, generated_at: datetime) -> BillingPage:
+    """The view model of the page. Pure: the same data gives the same page."""
     empty = data.by_tenant.totals.requests == 0
     names = _tenant_names(data.by_tenant.lines)
-    period = f"{data.start:%Y-%m-%d %H:%M} to {data.end:%Y-%m-%d %H:%M} UTC"
-    body = [
-        "<header><h1>Billing</h1>",
-        f'<p class="period" data-period>Requests started from {_text(period)}. '
-        "Query <code>?start=&amp;end=</code> (unix seconds or ISO 8601) for another period.</p></header>",
-        _summary(data.by_tenant.totals),
-    ]
-    if empty:
-        body.append(f'<p class="empty" data-empty>{NO_USAGE}</p>')
-    body += [
-        _section("Cost per day, by tenant", _cost_per_day(data, names)),
-        '<div class="pair">',
-        _section("Prefix-cache hit rate, by tenant", _hit_rates(data.by_tenant.lines, names)),
-        _section(f"Top {MAX_ENDPOINTS} endpoints, by cost", _endpoints(data.by_endpoint.lines, names)),
-        "</div>",
-    ]
-    if not empty:
-        body.append(_section("Tenants", _tenant_table(data.by_tenant, names)))
-    body.append(
-        "<footer>Figures are the billing report's (<code>/admin/billing/report</code>), in "
-        f"{_text(data.by_tenant.currency)}, rounded to micro-dollars once per line. "
-        f"Generated {generated_at:%Y-%m-%d %H:%M:%S} UTC.</footer>"
+    return BillingPage(
+        period=f"{data.start:%Y-%m-%d %H:%M} to {data.end:%Y-%m-%d %H:%M} UTC",
+        cards=_cards(data.by_tenant.totals),
+        empty_message=NO_USAGE if empty else None,
+        cost_per_day=_cost_per_day(data, names),
+        hit_rates=_hit_rates(data.by_tenant.lines, names),
+        endpoints=_endpoints(data.by_endpoint.lines, names),
+        max_endpoints=MAX_ENDPOINTS,
+        tenants=() if empty else _tenant_rows(data.by_tenant, names),
+        currency=data.by_tenant.currency,
+        generated=f"{generated_at:%Y-%m-%d %H:%M:%S}",
     )
-    return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        '<link rel="icon" href="data:,">'  # or the browser asks the server for /favicon.ico
-        f"<title>Billing · loraplex</title><style>{_CSS}</style></head>"
-        f"<body><main>{''.join(body)}</main></body></html>\n"
-    )
+
+
+def page_context(data: BillingPageData, *, generated_at: datetime) -> dict[str, BillingPage]:
+    """The context PAGE_TEMPLATE is rendered with, by the controller's `Template` response and by `render`."""
+    return {"page": page_view(data, generated_at=generated_at)}
+
+
+def render(data: BillingPageData, *, generated_at: datetime) -> str:
+    """The whole page, as the controller sends it. Pure: the same data gives the same bytes."""
+    return _ENGINE.get_template(PAGE_TEMPLATE).render(page_context(data, generated_at=generated_at))
 
 
 # --- pieces -------------------------------------------------------------------------------------------------------
 
 
-def _summary(totals: Line) -> str:
+def _cards(totals: Line) -> tuple[Card, ...]:
     tokens = totals.input_uncached_tokens + totals.input_cached_tokens + totals.output_tokens
     cards = [
-        ("requests", "Requests", f"{totals.requests:,}", ""),
-        (
+        Card("requests", "Requests", f"{totals.requests:,}", ""),
+        Card(
             "tokens",
             "Tokens",
             f"{tokens:,}",
             f"{totals.input_uncached_tokens:,} input, {totals.input_cached_tokens:,} cached input, "
             f"{totals.output_tokens:,} output",
         ),
-        ("cost", "Cost", _usd(totals.cost_total), f"cache hit rate {_percent(totals.cache_hit_rate)}"),
-        ("cache-savings", "Cache savings", _usd(totals.cache_savings), "saved by prefix-cache hits"),
+        Card("cost", "Cost", _usd(totals.cost_total), f"cache hit rate {_percent(totals.cache_hit_rate)}"),
+        Card("cache-savings", "Cache savings", _usd(totals.cache_savings), "saved by prefix-cache hits"),
     ]
     if totals.unpriced_requests:
-        cards.append(("unpriced", "Unpriced requests", f"{totals.unpriced_requests:,}", "no price in force: rated 0"))
-    items = "".join(
-        f'<div class="card" data-total="{name}"><div class="label">{label}</div>'
-        f'<div class="value">{_text(value)}</div><div class="note">{_text(note)}</div></div>'
-        for name, label, value, note in cards
-    )
-    return f'<section class="summary" aria-label="Totals">{items}</section>'
+        cards.append(
+            Card("unpriced", "Unpriced requests", f"{totals.unpriced_requests:,}", "no price in force: rated 0")
+        )
+    return tuple(cards)
 
 
-def _cost_per_day(data: BillingPageData, names: dict[str, str]) -> str:
+def _cost_per_day(data: BillingPageData, names: dict[str, str]) -> CostChart:
     """Stacked bars: one per UTC day of the period, one segment per (tenant, day) with a cost, the costliest tenant
     at the bottom. Tenants beyond the MAX_STACKED_TENANTS costliest share one grey segment: the day's total less
     theirs (the only figure on the page that is a difference of report figures)."""
@@ -193,62 +384,69 @@ def _cost_per_day(data: BillingPageData, names: dict[str, str]) -> str:
     plot_w, plot_h = _WIDTH - left - right, height - top_pad - bottom
     if top <= 0:
         message = NO_USAGE if data.by_tenant.totals.requests == 0 else "No priced usage."
-        return _svg_open("cost-per-day", 120, title, desc) + _no_data(120, message) + "</svg>"
-    parts = [_svg_open("cost-per-day", height, title, desc)]
+        return CostChart(Frame("cost-per-day", _WIDTH, 120, title, desc), plot=None, no_data=_no_data(120, message))
     ticks = _ticks(top)
     scale = plot_h / float(ticks[-1])
     decimals = _decimals(ticks[1] - ticks[0])
     base_y = top_pad + plot_h
+    gridlines = []
     for tick in ticks:
         y = base_y - float(tick) * scale
-        parts.append(f'<line class="grid" x1="{left}" x2="{_WIDTH - right}" y1="{y:.1f}" y2="{y:.1f}"/>')
-        parts.append(
-            f'<text class="tick" x="{left - 8}" y="{y + 4:.1f}" text-anchor="end">${tick:,.{decimals}f}</text>'
-        )
+        gridlines.append(Tick(y=f"{y:.1f}", label_y=f"{y + 4:.1f}", label=f"${tick:,.{decimals}f}"))
     slot = plot_w / len(days)
     bar_w = max(slot * 0.72, 1.0)
     label_every = math.ceil(len(days) / 12)
+    slots = []
     for i, day in enumerate(days):
         x = left + i * slot + (slot - bar_w) / 2
         total = day_totals.get(day)
+        bar = None
         if total is not None:
-            summary = f"{day}: {_usd(total.cost_total)}, {total.requests:,} requests"
-            parts.append(f'<g class="day" data-day="{day}"><title>{_text(summary)}</title>')
-            y = base_y
-            segments = [(t, names[t], colours[t], costs[t].get(day)) for t in stacked]
-            segments.append(("other", OTHER_TENANTS, OTHER_COLOUR, others.get(day)))
-            for tenant_id, name, colour, cost in segments:
+            segments = []
+            y = float(base_y)
+            pieces = [(t, names[t], colours[t], costs[t].get(day)) for t in stacked]
+            pieces.append(("other", OTHER_TENANTS, OTHER_COLOUR, others.get(day)))
+            for tenant_id, name, colour, cost in pieces:
                 if cost is None:
                     continue
                 h = float(cost) * scale
                 y -= h
-                parts.append(
-                    f'<rect class="segment" data-tenant="{_attr(tenant_id)}" data-day="{day}"'
-                    f' data-cost="{_money(cost)}" x="{x:.2f}" y="{y:.2f}" width="{bar_w:.2f}"'
-                    f' height="{max(h, 0.5):.2f}" fill="{colour}">'
-                    f"<title>{_text(name)}, {day}: {_usd(cost)}</title></rect>"
+                segments.append(
+                    Segment(
+                        tenant_id=tenant_id,
+                        day=day,
+                        cost=_money(cost),
+                        x=f"{x:.2f}",
+                        y=f"{y:.2f}",
+                        width=f"{bar_w:.2f}",
+                        height=f"{max(h, 0.5):.2f}",
+                        fill=colour,
+                        title=f"{name}, {day}: {_usd(cost)}",
+                    )
                 )
-            parts.append("</g>")
+            summary = f"{day}: {_usd(total.cost_total)}, {total.requests:,} requests"
+            bar = DayBar(day=day, title=summary, segments=tuple(segments))
+        label = None
         if i % label_every == 0:
             shown = date.fromisoformat(day)
-            parts.append(
-                f'<text class="tick" x="{x + bar_w / 2:.1f}" y="{base_y + 18}" text-anchor="middle">'
-                f"{shown:%b} {shown.day}</text>"
-            )
-    parts.append(f'<line class="axis" x1="{left}" x2="{_WIDTH - right}" y1="{base_y}" y2="{base_y}"/></svg>')
-    legend = [(t, names[t], colours[t]) for t in stacked]
+            label = AxisLabel(x=f"{x + bar_w / 2:.1f}", y=base_y + 18, text=f"{shown:%b} {shown.day}")
+        slots.append(DaySlot(bar=bar, label=label))
+    legend = [LegendItem(t, names[t], colours[t]) for t in stacked]
     if has_others:
-        legend.append(("other", OTHER_TENANTS, OTHER_COLOUR))
-    items = "".join(
-        f'<li data-tenant="{_attr(tenant_id)}"><span class="swatch" style="background:{colour}"></span>'
-        f"{_text(name)}</li>"
-        for tenant_id, name, colour in legend
+        legend.append(LegendItem("other", OTHER_TENANTS, OTHER_COLOUR))
+    plot = CostPlot(
+        x1=left,
+        x2=_WIDTH - right,
+        tick_x=left - 8,
+        base_y=base_y,
+        ticks=tuple(gridlines),
+        days=tuple(slots),
+        legend=tuple(legend),
     )
-    parts.append(f'<ul class="legend" data-legend="cost-per-day">{items}</ul>')
-    return "".join(parts)
+    return CostChart(Frame("cost-per-day", _WIDTH, height, title, desc), plot=plot, no_data=None)
 
 
-def _hit_rates(lines: Sequence[Line], names: dict[str, str]) -> str:
+def _hit_rates(lines: Sequence[Line], names: dict[str, str]) -> BarChart:
     """Horizontal bars: each tenant's cached share of its prompt tokens, the costliest MAX_HIT_RATE_TENANTS."""
     shown = _costliest(lines, MAX_HIT_RATE_TENANTS, priced_only=False)
     rows = [
@@ -273,7 +471,7 @@ def _hit_rates(lines: Sequence[Line], names: dict[str, str]) -> str:
     )
 
 
-def _endpoints(lines: Sequence[Line], names: dict[str, str]) -> str:
+def _endpoints(lines: Sequence[Line], names: dict[str, str]) -> BarChart:
     """Horizontal bars: the MAX_ENDPOINTS costliest (tenant, endpoint) lines of the report by endpoint."""
     ranked = sorted(lines, key=lambda line: (-line.cost_total, -line.requests))[:MAX_ENDPOINTS]
     top = max((line.cost_total for line in ranked), default=Decimal(0))
@@ -315,72 +513,67 @@ def _bars(
     colour: str,
     more: int,
     axis: Sequence[tuple[float, str]],
-) -> str:
+) -> BarChart:
     """A horizontal bar chart; `rows` are (id, label, value in [0, maximum], value text, detail)."""
     width, row_h, label_w, value_w, top_pad = _HALF_WIDTH, 28, 196, 92, 6
     bar_x, bar_w = label_w + 8, width - label_w - 8 - value_w
     height = top_pad + len(rows) * row_h + (22 if axis else 6) if rows else 120
-    parts = [_svg_open(chart, height, title, desc, width=width)]
+    frame = Frame(chart, width, height, title, desc)
     if not rows:
-        parts.append(_no_data(height, NO_USAGE, width=width))
-        parts.append("</svg>")
-        return "".join(parts)
+        return BarChart(frame, plot=None, no_data=_no_data(height, NO_USAGE, width=width))
+    bars = []
     for i, (row_id, label, value, value_text, detail) in enumerate(rows):
         y = top_pad + i * row_h
         length = bar_w * min(max(value / maximum, 0.0), 1.0)
-        parts.append(
-            f'<g class="bar" data-id="{_attr(row_id)}" data-value="{_attr(value_text)}">'
-            f"<title>{_text(label)}: {_text(value_text)} ({_text(detail)})</title>"
-            f'<text class="label" x="{label_w}" y="{y + 18}" text-anchor="end">{_text(_cut(label))}</text>'
-            f'<rect class="track" x="{bar_x}" y="{y + 5}" width="{bar_w}" height="{row_h - 10}" rx="2"/>'
-            f'<rect x="{bar_x}" y="{y + 5}" width="{length:.2f}" height="{row_h - 10}" rx="2" fill="{colour}"/>'
-            f'<text class="value" x="{bar_x + bar_w + 6}" y="{y + 18}">{_text(value_text)}</text></g>'
+        bars.append(
+            Bar(
+                row_id=row_id,
+                value=value_text,
+                title=f"{label}: {value_text} ({detail})",
+                label=_cut(label),
+                text_y=y + 18,
+                rect_y=y + 5,
+                length=f"{length:.2f}",
+            )
         )
     base_y = top_pad + len(rows) * row_h
-    for fraction, text in axis:
-        x = bar_x + bar_w * fraction
-        parts.append(f'<text class="tick" x="{x:.1f}" y="{base_y + 14}" text-anchor="middle">{text}</text>')
-    parts.append("</svg>")
-    if more > 0:
-        parts.append(f'<p class="more">and {more:,} more (see the table)</p>')
-    return "".join(parts)
-
-
-def _tenant_table(report: BillingReport, names: dict[str, str]) -> str:
-    head = (
-        "<tr><th>Tenant</th><th>Requests</th><th>Input tokens</th><th>Cached input tokens</th><th>Output tokens</th>"
-        "<th>Cache hit rate</th><th>Cost</th><th>Cache savings</th></tr>"
+    plot = BarPlot(
+        label_x=label_w,
+        bar_x=bar_x,
+        bar_width=bar_w,
+        bar_height=row_h - 10,
+        value_x=bar_x + bar_w + 6,
+        colour=colour,
+        bars=tuple(bars),
+        axis=tuple(AxisLabel(f"{bar_x + bar_w * fraction:.1f}", base_y + 14, text) for fraction, text in axis),
+        more=f"{more:,}" if more > 0 else None,
     )
-    rows = []
-    for line in [*_costliest(report.lines, len(report.lines), priced_only=False), report.totals]:
-        is_total = not line.key
-        name = "Total" if is_total else names[_tenant_id(line)]
-        rows.append(
-            f"<tr{' class=total' if is_total else ''}><td>{_text(name)}</td><td>{line.requests:,}</td>"
-            f"<td>{line.input_uncached_tokens:,}</td><td>{line.input_cached_tokens:,}</td>"
-            f"<td>{line.output_tokens:,}</td><td>{_percent(line.cache_hit_rate)}</td>"
-            f"<td>{_usd(line.cost_total)}</td><td>{_usd(line.cache_savings)}</td></tr>"
+    return BarChart(frame, plot=plot, no_data=None)
+
+
+def _tenant_rows(report: BillingReport, names: dict[str, str]) -> tuple[TenantRow, ...]:
+    """The tenants costliest first, then the totals."""
+    return tuple(
+        TenantRow(
+            name="Total" if not line.key else names[_tenant_id(line)],
+            requests=f"{line.requests:,}",
+            input_tokens=f"{line.input_uncached_tokens:,}",
+            cached_input_tokens=f"{line.input_cached_tokens:,}",
+            output_tokens=f"{line.output_tokens:,}",
+            cache_hit_rate=_percent(line.cache_hit_rate),
+            cost=_usd(line.cost_total),
+            cache_savings=_usd(line.cache_savings),
+            total=not line.key,
         )
-    return f'<table data-table="tenants"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table>'
+        for line in [*_costliest(report.lines, len(report.lines), priced_only=False), report.totals]
+    )
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------
 
 
-def _section(heading: str, content: str) -> str:
-    return f'<section class="chart"><h2>{_text(heading)}</h2>{content}</section>'
-
-
-def _svg_open(chart: str, height: int, title: str, desc: str, *, width: int = _WIDTH) -> str:
-    return (
-        f'<svg data-chart="{chart}" viewBox="0 0 {width} {height}" width="100%" role="img" '
-        f'aria-labelledby="{chart}-title {chart}-desc" preserveAspectRatio="xMinYMin meet">'
-        f'<title id="{chart}-title">{_text(title)}</title><desc id="{chart}-desc">{_text(desc)}</desc>'
-    )
-
-
-def _no_data(height: int, message: str, *, width: int = _WIDTH) -> str:
-    return f'<text class="nodata" x="{width / 2}" y="{height / 2 + 5}" text-anchor="middle">{_text(message)}</text>'
+def _no_data(height: int, message: str, *, width: int = _WIDTH) -> NoData:
+    return NoData(x=f"{width / 2}", y=f"{height / 2 + 5}", text=message)
 
 
 def _tenant_id(line: Line) -> str:
@@ -442,53 +635,3 @@ def _percent(rate: Decimal) -> str:
 
 def _cut(label: str) -> str:
     return label if len(label) <= _LABEL_CHARS else label[: _LABEL_CHARS - 1] + "…"
-
-
-def _text(value: str) -> str:
-    return html.escape(value, quote=True)
-
-
-_attr = _text  # one function for both, quote=True: safe in text and in double-quoted attributes
-
-
-_CSS = """
-:root { color-scheme: light; --ink: #1f2933; --muted: #616e7c; --line: #e4e7eb; --panel: #ffffff; }
-* { box-sizing: border-box; }
-body { margin: 0; background: #f5f7fa; color: var(--ink);
-  font: 14px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", "Liberation Sans", sans-serif; }
-main { max-width: 1180px; margin: 0 auto; padding: 24px 28px 40px; }
-header h1 { margin: 0 0 4px; font-size: 24px; }
-.period { margin: 0 0 18px; color: var(--muted); }
-code { font-family: "DejaVu Sans Mono", monospace; font-size: 12px; background: #eef1f4; padding: 1px 4px;
-  border-radius: 3px; }
-.summary { display: grid; grid-template-columns: repeat(auto-fit, minmax(200px, 1fr)); gap: 14px;
-  margin-bottom: 18px; }
-.card, .chart { background: var(--panel); border: 1px solid var(--line); border-radius: 8px; }
-.card { padding: 14px 16px; }
-.card .label { color: var(--muted); font-size: 12px; text-transform: uppercase; letter-spacing: .05em; }
-.card .value { font-size: 22px; font-weight: 600; margin: 2px 0; font-variant-numeric: tabular-nums; }
-.card .note { color: var(--muted); font-size: 12px; }
-.empty { background: #fff8e1; border: 1px solid #f3d98b; border-radius: 8px; padding: 10px 14px; }
-.chart { padding: 14px 18px 16px; margin-bottom: 18px; overflow-x: auto; }
-.chart h2 { font-size: 15px; margin: 0 0 8px; }
-.pair { display: grid; grid-template-columns: repeat(auto-fit, minmax(460px, 1fr)); gap: 0 18px; }
-svg { display: block; font-size: 13px; }
-svg .tick { fill: var(--muted); font-size: 12px; }
-svg .label { fill: var(--ink); }
-svg .value { fill: var(--ink); font-variant-numeric: tabular-nums; }
-svg .nodata { fill: var(--muted); font-size: 16px; }
-svg .grid { stroke: var(--line); }
-svg .axis { stroke: #9aa5b1; }
-svg .track { fill: #f0f2f5; }
-svg .segment:hover, svg .bar:hover rect:not(.track) { opacity: .8; }
-.legend { list-style: none; display: flex; flex-wrap: wrap; gap: 6px 18px; padding: 0; margin: 10px 0 0 84px; }
-.legend li { display: flex; align-items: center; gap: 6px; }
-.swatch { width: 12px; height: 12px; border-radius: 2px; display: inline-block; }
-.more { color: var(--muted); margin: 6px 0 0; }
-table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
-th, td { padding: 6px 10px; border-bottom: 1px solid var(--line); text-align: right; white-space: nowrap; }
-th:first-child, td:first-child { text-align: left; white-space: normal; }
-th { color: var(--muted); font-weight: 600; font-size: 12px; }
-tr.total td { font-weight: 600; border-bottom: none; }
-footer { color: var(--muted); font-size: 12px; }
-"""

@@ -25,7 +25,6 @@ from loraplex.platform.domain.completions.schemas import ChatCompletionRequest, 
 from loraplex.platform.domain.completions.service import (
     Call,
     Request,
-    check_adapter,
     engine_body,
     engine_error,
     estimate_tokens,
@@ -69,7 +68,7 @@ async def _start(
 ) -> tuple[Call, dict[str, str]]:
     """Everything that can refuse the request, before any byte is sent: model, limits, a replica."""
     target = await resolve(resources, principal, body.model)
-    check_adapter(target)
+    source = ready_adapter_ref(resources, target.adapter).uri if target.adapter is not None else None
     replica = await route(resources, principal, target, body)
     if replica is None:
         raise ApiError(
@@ -85,7 +84,6 @@ async def _start(
     )
     if not decision.allowed:
         raise rate_limit_error(decision)
-    source = ready_adapter_ref(resources, target.adapter)[0] if target.adapter is not None else None
     call = Call(
         request_id=new_request_id(isinstance(body, ChatCompletionRequest)),
         principal=principal,

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, StringConstraints, model_validator
 
 from loraplex.engine.serve import ChatMessage as EngineChatMessage
+from loraplex.engine.serve import completion_limit
 from loraplex.platform.schemas import Name, RequestBody
 
 MAX_STOP = 4
@@ -82,7 +83,7 @@ class ChatCompletionRequest(_Common):
 
     @property
     def limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return completion_limit(self.max_completion_tokens, self.max_tokens)
 
 
 class CompletionRequest(_Common):

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from loraplex.platform.auth import TenantPrincipal
-from loraplex.platform.domain.adapters.models import Adapter, AdapterStatus
+from loraplex.platform.domain.adapters.models import Adapter
 from loraplex.platform.domain.adapters.repository import AdapterRepository
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
@@ -151,9 +151,6 @@ def engine_body(target: Target, body: Request, adapter_source: str | None, cache
         exclude_none=True,
         exclude={"model", "stream", "stream_options", "user", "safety_identifier", "prompt_cache_key", "metadata"},
     )
-    if isinstance(body, ChatCompletionRequest) and body.limit is not None:
-        fields.pop("max_completion_tokens", None)
-        fields["max_tokens"] = body.limit
     merged: dict[str, Any] = {**defaults, **fields}
     merged["model"] = target.base_model.name
     merged["stream"] = True
@@ -168,12 +165,6 @@ def engine_body(target: Target, body: Request, adapter_source: str | None, cache
             "digest": target.adapter.digest,
         }
     return merged
-
-
-def check_adapter(target: Target) -> None:
-    adapter = target.adapter
-    if adapter is not None and (adapter.status != AdapterStatus.READY.value or adapter.digest is None):
-        raise ApiError(409, f"The adapter behind '{target.model}' is not ready.", code="adapter_not_ready")
 
 
 def new_request_id(chat: bool) -> str:

@@ -9,8 +9,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.db.pagination import Page
-from loraplex.platform.domain.adapters.models import Adapter, AdapterStatus
+from loraplex.platform.domain.adapters.models import Adapter
 from loraplex.platform.domain.adapters.repository import AdapterRepository
+from loraplex.platform.domain.adapters.service import require_ready
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
 from loraplex.platform.domain.endpoints.models import Endpoint
@@ -53,8 +54,7 @@ class EndpointService:
 
     @staticmethod
     def _check_adapter(adapter: Adapter, base: BaseModel) -> None:
-        if adapter.status != AdapterStatus.READY.value:
-            raise invalid_request(f"Adapter '{adapter.name}' v{adapter.version} is not ready.", param="adapter_id")
+        require_ready(adapter, param="adapter_id")
         if adapter.base_model_id != base.id:
             raise invalid_request(
                 f"Adapter '{adapter.name}' was made for another base model than '{base.name}'.", param="adapter_id"

@@ -213,6 +213,10 @@ class Router:
                 await self._kv.set(AFFINITY_KEY.format(key=affinity), chosen.id.encode(), ttl_s=AFFINITY_TTL_S)
         return chosen
 
+    def recent_picks(self) -> dict[str, int]:
+        """Requests this router sent each replica in the last RECENT_S seconds (what it adds to their loads)."""
+        return self._recent(time.monotonic())
+
     def _recent(self, now: float) -> dict[str, int]:
         """Requests sent to each replica in the last RECENT_S seconds; older picks (and idle replicas) are forgotten."""
         for replica_id, sent in list(self._sent.items()):

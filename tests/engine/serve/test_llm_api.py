@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import math
 import random
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _support.waiting import wait_for_async
 
 from loraplex.engine import LLM, SamplingParams
 from loraplex.engine.core.config import EngineConfig
@@ -195,11 +195,12 @@ async def test_async_engine_streams_and_aborts(model_dir: Path) -> None:
             assert not first.finished
             break
         await stream.aclose()  # a consumer that goes away aborts its request
-        for _ in range(100):
+
+        async def released() -> bool:
             state = engine.state()
-            if state.num_running == 0 and state.pool.by_kind["kv"] == state.pool.num_evictable:
-                break
-            await asyncio.sleep(0.02)
+            return state.num_running == 0 and state.pool.by_kind["kv"] == state.pool.num_evictable
+
+        await wait_for_async(released, 2, what="the aborted request's pages")
         state = engine.state()
         assert state.pool.by_kind["kv"] == state.pool.num_evictable == state.prefix_cache_blocks
         assert engine.is_healthy

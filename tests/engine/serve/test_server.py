@@ -11,7 +11,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from _support.engine_server import running_engine_server
+from _support.waiting import poll
 from litestar import Litestar
 
 from loraplex.engine.core.config import EngineConfig
@@ -99,15 +100,6 @@ def _config(model_path: Path) -> EngineConfig:
 def server(model_path: Path) -> Iterator[Server]:
     with _running_server(_config(model_path)) as (url, _):
         yield Server(url, Tokenizer.from_dir(model_path))
-
-
-def _wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def _error(exc: openai.APIStatusError) -> dict[str, Any]:
@@ -542,7 +534,7 @@ def test_client_disconnecting_mid_stream_aborts_its_request(server: Server) -> N
         assert received and received[0].startswith("data: ")
         pool = server.state()["pool"]
         assert pool["by_kind"]["kv"] > pool["num_evictable"]  # it is still generating
-    assert _wait_until(lambda: _pages_freed(server))
+    assert poll(lambda: _pages_freed(server))
     assert server.metric("loraplex_engine_requests_total", '{finish_reason="abort"}') == aborted + 1
 
 
@@ -551,7 +543,7 @@ def test_client_giving_up_on_a_non_streaming_request_aborts_it(server: Server) -
     body = {"model": MODEL, "prompt": "Tell me more", "max_tokens": 1000, **NO_EOS}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
-    assert _wait_until(lambda: _pages_freed(server))
+    assert poll(lambda: _pages_freed(server))
     assert server.metric("loraplex_engine_requests_total", '{finish_reason="abort"}') == aborted + 1
 
 

@@ -214,3 +214,23 @@ def test_text_parts_are_read_and_other_parts_named(open_server: tuple[str, Async
     body = {"model": MODEL, "messages": [{"role": "user", "content": [image]}]}
     error = _error(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30))
     assert "image_url" in error["message"] and error["param"] == "messages[0].content", error
+
+
+def test_a_request_is_checked_once_on_its_way_in(
+    open_server: tuple[str, AsyncEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server checks it (so that a bad one is a 400 before any byte streams); neither AsyncEngine nor the
+    engine core checks it again."""
+    url, engine = open_server
+    calls: list[int] = []
+    check = engine.core.check_request
+
+    def counting(token_ids: list[int], params: Any) -> Any:
+        calls.append(len(token_ids))
+        return check(token_ids, params)
+
+    monkeypatch.setattr(engine.core, "check_request", counting)
+    for stream in (False, True):
+        response = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30)
+        assert response.status_code == 200, response.text
+    assert len(calls) == 2

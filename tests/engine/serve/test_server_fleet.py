@@ -29,6 +29,7 @@ import torch
 from _support.adapters import make_peft_adapter
 from _support.engine_server import running_engine_server
 from _support.services import RedisServer
+from _support.waiting import poll
 from click.testing import CliRunner
 from litestar import Litestar
 
@@ -432,15 +433,6 @@ def _record(client: redis.Redis, key: str) -> dict[str, Any] | None:
     return None if raw is None else json.loads(raw)
 
 
-def _wait_for(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 @pytest.mark.integration
 def test_the_engine_registers_beats_and_withdraws(setup: Setup, redis_server: RedisServer, redis_prefix: str) -> None:
     engine_id = f"engine-{secrets.token_hex(3)}"
@@ -457,7 +449,7 @@ def test_the_engine_registers_beats_and_withdraws(setup: Setup, redis_server: Re
 
     try:
         with _running_server(_config(setup.base), make_app) as (url, _):
-            assert _wait_for(lambda: client.exists(key) == 1, timeout=2.0), "no registry entry within 2 s"
+            assert poll(lambda: client.exists(key) == 1, 2.0), "no registry entry within 2 s"
             record = _record(client, key)
             assert record is not None and set(record) == RECORD_FIELDS
             assert (record["id"], record["url"], record["base_model"]) == (engine_id, urls[0], PLATFORM_NAME)
@@ -476,7 +468,7 @@ def test_the_engine_registers_beats_and_withdraws(setup: Setup, redis_server: Re
                 current = _record(client, key)
                 return current is not None and current["adapters"] == [setup.digest]
 
-            assert _wait_for(resident, timeout=2.5), f"adapter not listed: {_record(client, key)}"
+            assert poll(resident, 2.5), f"adapter not listed: {_record(client, key)}"
             later = _record(client, key)
             assert later is not None and later["updated_at"] > record["updated_at"]  # it keeps beating
         assert client.exists(key) == 0
@@ -491,15 +483,19 @@ def test_an_unreachable_redis_never_stops_the_server(setup: Setup, caplog: pytes
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
 
+    apps: list[Litestar] = []
+
     def make_app(engine: AsyncEngine, url: str) -> Litestar:
         registration = RegistrationConfig(redis_url=f"redis://127.0.0.1:{port}", engine_id="e", url=url)
-        return create_engine_app(engine, registration=registration)
+        apps.append(create_engine_app(engine, registration=registration))
+        return apps[-1]
 
     logs = caplog.at_level(logging.WARNING, logger="loraplex.engine.serve.registration")
     with logs, _running_server(_config(setup.base), make_app) as (url, _):
         assert _complete(url) == setup.expected[False]
-        assert _wait_for(lambda: "fleet registration" in caplog.text, timeout=3.0)
-        time.sleep(1.2)  # another beat fails, and is not logged again
+        assert poll(lambda: "fleet registration" in caplog.text, 3.0)
+        beats = apps[0].state.fleet_registration
+        assert poll(lambda: beats.num_failed_beats >= 2, 3.0)  # another beat failed, and was not logged again
         assert httpx.get(f"{url}/healthz").status_code == 200
     assert caplog.text.count("fleet registration") == 1
     assert "could not withdraw" in caplog.text

@@ -13,7 +13,6 @@ import contextlib
 import json
 import re
 import shutil
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 import torch
 from _support.adapters import make_peft_adapter
 from _support.engine_server import running_engine_server
+from _support.waiting import poll
 from click.testing import CliRunner
 from litestar import Litestar
 
@@ -147,15 +147,6 @@ def server(setup: Setup) -> Iterator[Server]:
         yield Server(url, engine, setup)
 
 
-def _wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 def _error(response: httpx.Response) -> dict[str, Any]:
     body = response.json()
     assert set(body) == {"error"}
@@ -238,7 +229,7 @@ def test_loading_a_name_again_with_new_content_runs_only_the_new_weights(server:
     assert state["digest"] != old_digest
     assert state["source"] == str(adapters["second"])
     # No name refers to the old content any more: the engine dropped it.
-    assert _wait_until(lambda: old_digest not in server.engine.adapter_states())
+    assert poll(lambda: old_digest not in server.engine.adapter_states())
 
 
 def test_unloaded_adapter_is_gone(server: Server) -> None:
@@ -277,7 +268,7 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish_then_frees_it(serv
     assert events[-1] == "[DONE]"
     text = "".join(json.loads(event)["choices"][0]["text"] for event in events[:-1])
     assert text == whole  # it finished with the weights it started with
-    assert _wait_until(lambda: digest not in server.engine.adapter_states())
+    assert poll(lambda: digest not in server.engine.adapter_states())
 
 
 def _broken_dora(setup: Setup) -> Path:
