@@ -198,14 +198,7 @@ class EngineCore:
         platform gives each tenant its own); the adapter's digest does the same between adapters."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
-        if isinstance(prompt_token_ids, CheckedPrompt):
-            if params is not None:
-                raise TypeError("a CheckedPrompt carries its own sampling params")
-            checked = prompt_token_ids
-        else:
-            if params is None:
-                raise TypeError("add_request needs sampling params")
-            checked = self.check_request(prompt_token_ids, params)
+        checked = self.checked(prompt_token_ids, params)
         params = checked.params
         generator = None
         if params.seed is not None:
@@ -225,6 +218,17 @@ class EngineCore:
         self.outputs.add(request)
         self.scheduler.add(request)
         return request
+
+    def checked(self, prompt: list[int] | CheckedPrompt, params: SamplingParams | None) -> CheckedPrompt:
+        """`prompt` as checked: itself if it is a CheckedPrompt already (with no `params`: it carries its own), else
+        what `check_request` makes of it and `params`."""
+        if isinstance(prompt, CheckedPrompt):
+            if params is not None:
+                raise TypeError("a CheckedPrompt carries its own sampling params")
+            return prompt
+        if params is None:
+            raise TypeError("a prompt needs its sampling params")
+        return self.check_request(list(prompt), params)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedPrompt:
         """Raise RequestError if the request can never run; else the checked prompt, with how many tokens it may

@@ -147,20 +147,10 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError("the engine has failed; restart it") from self._error
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        text: str | None = None
-        if isinstance(prompt, CheckedPrompt):
-            if sampling_params is not None:
-                raise TypeError("a CheckedPrompt carries its own sampling params")
-            checked = prompt
-        else:
-            if sampling_params is None:
-                raise TypeError("generate needs sampling params")
-            if isinstance(prompt, str):
-                text = prompt
-                token_ids = self.core.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            else:
-                token_ids = list(prompt)
-            checked = self.core.check_request(token_ids, sampling_params)
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, str):
+            prompt = self.core.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        checked = self.core.checked(prompt, sampling_params)
         sink = _Sink(asyncio.get_running_loop())
         self._commands.put(_Add(request_id, checked, text, sink, lora, cache_salt))
         self._wakeup.set()

@@ -268,13 +268,16 @@ class TestReport:
         acme, zeta = tenants
         endpoint = uuid.uuid4()
         day_start = NOW.replace(hour=0, minute=0, second=0)
+        # Within NOW's day even when the suite runs in the first hour after midnight (UTC), when the price change
+        # (NOW - 1h) falls on the day before.
+        today = max(priced, day_start)
         await add_usage(
             sessions,
             [
-                usage(acme, priced, endpoint_id=endpoint, model="support-bot"),
-                usage(acme, priced, endpoint_id=endpoint, model="support-bot"),
-                usage(acme, priced),
-                usage(zeta, priced, completion_tokens=1000),
+                usage(acme, today, endpoint_id=endpoint, model="support-bot"),
+                usage(acme, today, endpoint_id=endpoint, model="support-bot"),
+                usage(acme, today),
+                usage(zeta, today, completion_tokens=1000),
                 usage(zeta, day_start - timedelta(microseconds=1)),  # the day before, in UTC
             ],
         )
