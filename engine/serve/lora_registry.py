@@ -28,10 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
 from loraplex.engine.lora import AdapterError, adapter_digest, parse_adapter
 from loraplex.engine.lora.manager import AdapterState
 from loraplex.engine.lora.ref import S3_SCHEME, AdapterRef, LoRARequest
@@ -278,37 +274,4 @@ def _split_s3(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-class LoraMetrics:
-    """Per-adapter series, added to the server's own Prometheus registry."""
-
-    def __init__(self, registry: CollectorRegistry, loras: LoraRegistry) -> None:
-        self.requests = Counter(
-            "loraplex_engine_lora_requests",
-            "Finished requests that ran with an adapter, by adapter name and finish reason.",
-            ["lora_name", "finish_reason"],
-            registry=registry,
-        )
-        registry.register(_LoraCollector(loras))
-
-    def record(self, lora_name: str, finish_reason: str) -> None:
-        self.requests.labels(lora_name, finish_reason).inc()
-
-
-class _LoraCollector(Collector):
-    def __init__(self, loras: LoraRegistry) -> None:
-        self._loras = loras
-
-    def collect(self) -> Iterable[Metric]:
-        states = self._loras.engine.adapter_states()
-        num_resident = sum(1 for state in states.values() if state is AdapterState.RESIDENT)
-        yield GaugeMetricFamily(
-            "loraplex_engine_lora_adapters_resident", "Adapters whose weights are in pool pages.", num_resident
-        )
-        yield GaugeMetricFamily(
-            "loraplex_engine_lora_adapters_registered",
-            "Adapter names the server answers to.",
-            len(self._loras.adapters()),
-        )
-
-
-__all__ = ["AdapterRoots", "LoraMetrics", "LoraModuleError", "LoraRegistry", "RegisteredAdapter"]
+__all__ = ["AdapterRoots", "LoraModuleError", "LoraRegistry", "RegisteredAdapter"]

@@ -127,3 +127,39 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every series; serve it with CONTENT_TYPE."""
         return generate_latest(self.registry)
+
+
+class LoraMetrics:
+    """Per-adapter series of the server's adapter names, added to its `EngineMetrics` registry: finished requests
+    by name and finish reason (recorded), and how many adapters are resident and named (read when scraped)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        num_resident: Callable[[], int],
+        num_names: Callable[[], int],
+    ) -> None:
+        self.requests = Counter(
+            f"{_PREFIX}_lora_requests",
+            "Finished requests that ran with an adapter, by adapter name and finish reason.",
+            ["lora_name", "finish_reason"],
+            registry=registry,
+        )
+        registry.register(_LoraCollector(num_resident, num_names))
+
+    def record(self, lora_name: str, finish_reason: str) -> None:
+        self.requests.labels(lora_name, finish_reason).inc()
+
+
+class _LoraCollector(Collector):
+    def __init__(self, num_resident: Callable[[], int], num_names: Callable[[], int]) -> None:
+        self._num_resident = num_resident
+        self._num_names = num_names
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(
+            f"{_PREFIX}_lora_adapters_resident", "Adapters whose weights are in pool pages.", self._num_resident()
+        )
+        yield GaugeMetricFamily(
+            f"{_PREFIX}_lora_adapters_registered", "Adapter names the server answers to.", self._num_names()
+        )

@@ -37,11 +37,12 @@ from loraplex.engine.core.engine_core import CheckedPrompt
 from loraplex.engine.core.outputs import PositionLogprobs, RequestOutput
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.errors import ContextLengthExceeded
+from loraplex.engine.lora.manager import AdapterState
 from loraplex.engine.lora.ref import AdapterRef
 from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected
 from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed
-from loraplex.engine.serve.lora_registry import LORA_ADAPTER_PARAM, AdapterRoots, LoraMetrics, LoraRegistry
-from loraplex.engine.serve.metrics import EngineMetrics, RequestRecord
+from loraplex.engine.serve.lora_registry import LORA_ADAPTER_PARAM, AdapterRoots, LoraRegistry
+from loraplex.engine.serve.metrics import EngineMetrics, LoraMetrics, RequestRecord
 from loraplex.engine.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -204,9 +205,14 @@ class OpenAIServing:
         self.created = int(time.time())
         self.loras = loras if loras is not None else LoraRegistry(engine, self.model_name)
         self.metrics = EngineMetrics(engine.state, lambda: engine.is_healthy)
-        self.lora_metrics = LoraMetrics(self.metrics.registry, self.loras)
+        self.lora_metrics = LoraMetrics(
+            self.metrics.registry, self._num_resident_adapters, lambda: len(self.loras.adapters())
+        )
 
     # validation, before any response byte
+
+    def _num_resident_adapters(self) -> int:
+        return sum(1 for state in self.engine.adapter_states().values() if state is AdapterState.RESIDENT)
 
     def _is_base_model(self, model: str | None) -> bool:
         return model is None or model == self.model_name or model in self.model_aliases
