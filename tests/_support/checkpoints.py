@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from loraplex.engine.tools.demo import RandomModelSpec
+
 VOCAB = 512
 
 # Larger than transformers' default init (0.02), so logits spread and a wrong computation shows.
@@ -124,3 +126,16 @@ def make_trained_checkpoint(path: Path, variant: str, *, steps: int = 120, lr: f
         optimizer.step()
     model.save_pretrained(path)
     return path
+
+
+def tiny_spec(max_position_embeddings: int = 256) -> RandomModelSpec:
+    """The engine's own random Llama (no transformers) at the size the server tests use: 2 layers of 64."""
+    return RandomModelSpec(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=max_position_embeddings,
+    )

@@ -30,19 +30,12 @@ from loraplex.engine.model.tokenizer import Tokenizer
 from loraplex.engine.serve.async_engine import AsyncEngine
 from loraplex.engine.serve.metrics import EngineMetrics
 from loraplex.engine.serve.server import create_engine_app
-from loraplex.engine.tools.demo import RandomModelSpec, write_random_model
+from loraplex.engine.tools.demo import write_random_model
+from tests._support.checkpoints import tiny_spec
 
 pytestmark = pytest.mark.unit
 
-TINY = RandomModelSpec(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=1024,
-)
+TINY = tiny_spec(max_position_embeddings=1024)
 MODEL = "tiny"
 # Long enough that a generation to the end of the context takes seconds, for the disconnect tests.
 MAX_MODEL_LEN = 1024

@@ -41,18 +41,11 @@ from loraplex.engine.serve.async_engine import AsyncEngine
 from loraplex.engine.serve.lora_registry import AdapterRoots
 from loraplex.engine.serve.registration import RegistrationConfig
 from loraplex.engine.serve.server import create_engine_app
-from loraplex.engine.tools.demo import RandomModelSpec, write_random_model
+from loraplex.engine.tools.demo import write_random_model
 from loraplex.platform.cli import main
+from tests._support.checkpoints import tiny_spec
 
-TINY = RandomModelSpec(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=256,
-)
+TINY = tiny_spec()
 MODEL = "tiny"
 PLATFORM_NAME = "tiny-base"  # the platform's name of the base model (--base-model-name)
 MAX_MODEL_LEN = 256

@@ -33,20 +33,13 @@ from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.engine.serve.async_engine import AsyncEngine
 from loraplex.engine.serve.server import create_engine_app, load_lora_modules
-from loraplex.engine.tools.demo import RandomModelSpec, write_random_model
+from loraplex.engine.tools.demo import write_random_model
 from loraplex.platform.cli import main
+from tests._support.checkpoints import tiny_spec
 
 pytestmark = pytest.mark.unit
 
-TINY = RandomModelSpec(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=256,
-)
+TINY = tiny_spec()
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
 PROMPT = "The adapter says"

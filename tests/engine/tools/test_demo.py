@@ -18,22 +18,14 @@ from loraplex.engine.tools.demo import (
     DEMO_SPEC,
     END_OF_TEXT_TOKEN,
     IM_END_TOKEN,
-    RandomModelSpec,
     train_demo_tokenizer,
     write_random_model,
 )
+from tests._support.checkpoints import tiny_spec
 
 pytestmark = pytest.mark.unit
 
-TINY = RandomModelSpec(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=256,
-)
+TINY = tiny_spec()
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
