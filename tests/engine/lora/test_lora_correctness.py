@@ -100,7 +100,11 @@ def test_mixed_batch_with_chunked_prefill_and_preemption(base_and_adapters: tupl
         max_num_batched_tokens=48,
         max_num_seqs=12,
     )
-    _run_mixed(llm, base, adapters, seed=1, outputs=(20, 40))
+    # Loads run on worker threads: on a busy machine they would finish one by one and the requests would start
+    # too far apart to run out of pages. Once every adapter is in host memory, placing one is part of the step.
+    warm_up = [LoRARequest(name, path) for name, path in adapters.items()]
+    llm.generate([{"prompt_token_ids": [2, 3]}] * len(warm_up), SamplingParams(max_tokens=1), lora_request=warm_up)
+    _run_mixed(llm, base, adapters, seed=1, outputs=(40, 80))
     assert llm.engine.num_preemptions > 0
     # Every KV page left is an idle prefix-cache block.
     assert llm.engine.pool.usage().by_kind["kv"] == llm.engine.state().prefix_cache_blocks
@@ -122,3 +126,4 @@ def test_adapters_evicted_and_reloaded(base_and_adapters: tuple[Path, dict[str, 
     _run_mixed(llm, base, adapters, seed=2)
     _run_mixed(llm, base, adapters, seed=3)
     assert len(llm.engine.adapters.resident()) <= 3
+
