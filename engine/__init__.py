@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from loraplex.engine.core.config import EngineConfig, parse_memory_budget
     from loraplex.engine.core.outputs import CompletionOutput, RequestOutput
-    from loraplex.engine.core.sampling_params import SamplingParams
+    from loraplex.engine.core.sampling_params import SamplingParams, StructuredOutputsParams
     from loraplex.engine.errors import CheckpointError, EngineError, RequestError
     from loraplex.engine.lora.manager import AdapterState
     from loraplex.engine.lora.ref import AdapterRef, LoRARequest
@@ -39,6 +39,7 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "parse_memory_budget",
 ]
 
@@ -50,6 +51,7 @@ _WHERE = {
     "CompletionOutput": "loraplex.engine.core.outputs",
     "RequestOutput": "loraplex.engine.core.outputs",
     "SamplingParams": "loraplex.engine.core.sampling_params",
+    "StructuredOutputsParams": "loraplex.engine.core.sampling_params",
     "CheckpointError": "loraplex.engine.errors",
     "EngineError": "loraplex.engine.errors",
     "RequestError": "loraplex.engine.errors",

@@ -143,7 +143,10 @@ def _validation_details(exc: ValidationException) -> tuple[str, str | None, list
     first = errors[0]
     param = first.get("key") or None
     message = str(first.get("message", "invalid value"))
-    text = f"Invalid value for '{param}': {message}" if param else message
+    if message == "Extra inputs are not permitted" and param:  # pydantic's words for an unknown field; OpenAI's:
+        text = f"Unrecognized request argument supplied: {param}"
+    else:
+        text = f"Invalid value for '{param}': {message}" if param else message
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more)"
     return text, param, errors

@@ -22,6 +22,7 @@ from loraplex.engine.core.runner import ModelRunner
 from loraplex.engine.core.sampler import Sampler, SamplingMetadata
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.core.structured_output import CompiledGrammar, GrammarCompiler, GrammarState, fill_bitmasks
 from loraplex.engine.errors import ContextLengthExceeded, RequestError
 from loraplex.engine.lora.batch import LoraCompute
 from loraplex.engine.lora.manager import AdapterEntry, AdapterManager, AdapterManagerConfig
@@ -44,6 +45,7 @@ class CheckedPrompt:
     token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # min(params.max_tokens, room left in the context)
+    grammar: CompiledGrammar | None = None  # params.structured_outputs, compiled
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +132,7 @@ class EngineCore:
             lora=LoraCompute(self.adapters, self.device),
         )
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.eos_token_ids = self.tokenizer.eos_token_ids | self.model_config.eos_token_ids
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -213,6 +216,9 @@ class EngineCore:
             generator=generator,
             adapter=self.adapters.request(lora) if lora is not None else None,
             cache_salt=cache_salt,
+            grammar=GrammarState(checked.grammar, self.model_config.vocab_size)
+            if checked.grammar is not None
+            else None,
         )
         self.requests[request_id] = request
         self.outputs.add(request)
@@ -234,7 +240,8 @@ class EngineCore:
         """Raise RequestError if the request can never run; else the checked prompt, with how many tokens it may
         generate at most.
 
-        Reads only immutable state, so any thread may call it.
+        Reads only immutable state (and the thread-safe grammar cache: a new grammar is compiled here), so any
+        thread may call it.
         """
         if not prompt_token_ids:
             raise RequestError("the prompt must contain at least one token", param="prompt")
@@ -250,7 +257,14 @@ class EngineCore:
                 f"{asked} tokens ({num_prompt} in the prompt, {params.max_tokens or 0} for the completion). "
                 "Please reduce the length of the prompt or the completion."
             )
-        return CheckedPrompt(list(prompt_token_ids), params, min(params.max_tokens or room, room))
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
+            token = params.logit_bias[-1][0]
+            raise RequestError(
+                f"logit_bias names token {token}, which is not in the vocabulary (ids 0 to {vocab - 1})",
+                param="logit_bias",
+            )
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
+        return CheckedPrompt(list(prompt_token_ids), params, min(params.max_tokens or room, room), grammar)
 
     def check_prompt_text(self, text: str, param: str = "prompt") -> None:
         """Raise ContextLengthExceeded if `text` is surely too long for the context, told from its length alone, so
@@ -297,6 +311,7 @@ class EngineCore:
         rows = prepared.sample_requests
         if not rows:
             return outputs
+        constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
         metadata = SamplingMetadata.build(
             [r.sampling_params for r in rows],
             [r.generator for r in rows],
@@ -304,6 +319,10 @@ class EngineCore:
             forbidden_token_ids=[self.outputs.forbidden_tokens(r) for r in rows],
             default_generator=self._default_generator,
             device=self.device,
+            prompt_token_ids=[r.prompt_token_ids for r in rows],
+            grammar=fill_bitmasks(constrained, self.model_config.vocab_size, self.grammars.json_safe)
+            if constrained
+            else None,
         )
         sampled = self.sampler.sample(logits, metadata)
         for i, request in enumerate(rows):

@@ -1,6 +1,8 @@
 """Turns sampled tokens into text and finish decisions: stop tokens, stop strings, length limits, logprobs.
 
-Stop tokens (EOS unless ignore_eos, and stop_token_ids) end a request without being emitted. Stop strings end
+Stop tokens (EOS unless ignore_eos, and stop_token_ids) end a request without being emitted; so does a stop token
+its grammar allows, and a grammar that is complete and allows nothing more ends it with the token that completed
+it (finish reason "stop", no stop reason). Stop strings end
 it too: the text is cut before the stop string (after it with include_stop_str_in_output), and while a request
 runs, the last `longest stop string - 1` characters are held back from its visible text, since they might
 still become a stop string.
@@ -65,6 +67,12 @@ class OutputProcessor:
             return RequestStatus.FINISHED_STOPPED
 
         request.output_token_ids.append(token_id)
+        grammar_done = False
+        if request.grammar is not None:
+            if not request.grammar.accept(token_id):
+                request.error = f"token {token_id} does not fit the request's output grammar"
+                return RequestStatus.FINISHED_ERROR
+            grammar_done = request.grammar.is_finished()
         if logprobs is not None and stream.logprobs is not None:
             stream.logprobs.append(self._position_logprobs(logprobs))
             stream.cumulative_logprob = (stream.cumulative_logprob or 0.0) + logprobs.logprob
@@ -81,6 +89,8 @@ class OutputProcessor:
                 )
                 request.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
+        if grammar_done:  # the grammar allows nothing more: the output is complete
+            return RequestStatus.FINISHED_STOPPED
         if len(request.output_token_ids) >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -1,8 +1,9 @@
 """A request's state inside the engine: its tokens, how many have KV in the cache, and its blocks.
 
 Its fields are written by the scheduler (status, computed tokens, preemptions, cached tokens) and the output
-processor (output tokens, stop reason) only; its KV blocks are the memory package's `SequenceBlocks`, which the KV
-cache manager alone writes. It is a `KVSequence`: what the memory package reads of a sequence."""
+processor (output tokens, stop reason, the grammar's state) only; its KV blocks are the memory package's
+`SequenceBlocks`, which the KV cache manager alone writes. It is a `KVSequence`: what the memory package reads of a
+sequence."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.engine.core.sampling_params import SamplingParams
+from loraplex.engine.core.structured_output import GrammarState
 from loraplex.engine.lora.manager import AdapterEntry
 from loraplex.engine.memory.sequence import SequenceBlocks
 
@@ -49,6 +51,7 @@ class Request:
     cache_salt: str | None = None  # set by a trusted caller (the platform: per tenant); part of block 0's hash
     adapter: AdapterEntry | None = None  # None: the base model
     error: str | None = None  # why it finished with FINISHED_ERROR
+    grammar: GrammarState | None = None  # its output grammar's matcher (advanced by the output processor)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,8 +1,12 @@
 """The batched sampler: one call per step picks the next token of every row of the logits.
 
 Semantics, per row, in this order (the reference loop; the code does it for all rows at once):
-1. `logits_processors`, in order, on the row's raw logits; then the caller's forbidden tokens (EOS and stop
-   tokens before `min_tokens`) are set to -inf, so no processor can re-allow them.
+1. Adjustments of the row's raw logits: `logit_bias` is added; then the penalties, with `count[t]` the times token
+   t is in the row's output so far: `x[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)`
+   (OpenAI's), and for each token t in the prompt or the output, `x[t] /= repetition_penalty` if x[t] > 0 else
+   `x[t] *= repetition_penalty` (vLLM's); then `logits_processors`, in order; then the grammar's mask (tokens the
+   row's grammar does not allow) and the caller's forbidden tokens (EOS and stop tokens before `min_tokens`) are
+   set to -inf, so nothing before can re-allow them.
 2. Greedy rows (temperature below GREEDY_TEMPERATURE, whatever else is set) take `argmax`: the lowest index
    on ties, as `torch.argmax`.
 3. Other rows: x = logits / temperature, p = softmax(x). Every filter keeps an upper set of x, ties included:
@@ -42,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.core.sampling_params import LogitsProcessor, SamplingParams
+from loraplex.engine.core.structured_output import GrammarMasks, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +101,18 @@ class SamplingMetadata:
     forbidden_rows: torch.Tensor | None  # [num_forbidden] int64 row of each forbidden (row, token) pair
     forbidden_token_ids: torch.Tensor | None  # [num_forbidden] int64 token of each pair
     max_forbidden_token_id: int  # -1 when there are none; ids >= vocab are ignored at sampling time
+    bias_rows: torch.Tensor | None = None  # [num_biases] int64 row of each logit_bias entry
+    bias_token_ids: torch.Tensor | None = None  # [num_biases] int64 (below the vocab: check_request saw to it)
+    bias_values: torch.Tensor | None = None  # [num_biases] float32
+    penalty_rows: torch.Tensor | None = None  # [num_penalized] int64 rows with any penalty
+    presence_penalty: torch.Tensor | None = None  # [num_penalized] float32
+    frequency_penalty: torch.Tensor | None = None  # [num_penalized] float32
+    repetition_penalty: torch.Tensor | None = None  # [num_penalized] float32; None when every row's is 1
+    output_ids: torch.Tensor | None = None  # [num_penalized, longest output] int64, padded with 0
+    output_mask: torch.Tensor | None = None  # [num_penalized, longest output] float32: 1 for a real token
+    seen_ids: torch.Tensor | None = None  # [num_penalized, longest prompt+output] int64, padded with 0 (repetition)
+    seen_mask: torch.Tensor | None = None  # same shape, float32: 1 for a real token
+    grammar: GrammarMasks | None = None  # the constrained rows' allowed tokens
 
     @classmethod
     def build(
@@ -107,6 +124,8 @@ class SamplingMetadata:
         device: torch.device | str,
         forbidden_token_ids: Sequence[frozenset[int]] | None = None,
         default_generator: torch.Generator | None = None,
+        prompt_token_ids: Sequence[list[int]] | None = None,
+        grammar: GrammarMasks | None = None,
     ) -> SamplingMetadata:
         """One step's metadata: row i samples for `params[i]` with `generators[i]` (the request's own generator,
         seeded once when the request started, or None), whose tokens so far are `output_token_ids[i]` and which
@@ -141,6 +160,24 @@ class SamplingMetadata:
         def float_tensor(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
+        bias_pairs = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias]
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        penalties: dict[str, torch.Tensor | None] = {}
+        if penalized:
+            if prompt_token_ids is None and any(params[i].repetition_penalty != 1.0 for i in penalized):
+                raise ValueError("repetition_penalty needs the rows' prompt token ids")
+            outputs = [output_token_ids[i] for i in penalized]
+            penalties["output_ids"], penalties["output_mask"] = _padded(outputs, device)
+            repetition = [params[i].repetition_penalty for i in penalized]
+            if any(r != 1.0 for r in repetition):
+                assert prompt_token_ids is not None
+                seen = [prompt_token_ids[i] + output_token_ids[i] for i in penalized]
+                penalties["seen_ids"], penalties["seen_mask"] = _padded(seen, device)
+                penalties["repetition_penalty"] = float_tensor(repetition)
+            penalties["penalty_rows"] = int_tensor(penalized)
+            penalties["presence_penalty"] = float_tensor([params[i].presence_penalty for i in penalized])
+            penalties["frequency_penalty"] = float_tensor([params[i].frequency_penalty for i in penalized])
+
         return cls(
             num_rows=num_rows,
             all_greedy=not random_rows,
@@ -162,7 +199,24 @@ class SamplingMetadata:
             forbidden_rows=int_tensor(pair_rows) if pair_rows else None,
             forbidden_token_ids=int_tensor(pair_tokens) if pair_tokens else None,
             max_forbidden_token_id=max(pair_tokens, default=-1),
+            bias_rows=int_tensor([r for r, _, _ in bias_pairs]) if bias_pairs else None,
+            bias_token_ids=int_tensor([t for _, t, _ in bias_pairs]) if bias_pairs else None,
+            bias_values=float_tensor([b for _, _, b in bias_pairs]) if bias_pairs else None,
+            grammar=grammar,
+            **penalties,
         )
+
+
+def _padded(rows: list[list[int]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as one [len(rows), longest] int64 tensor padded with 0, and its float32 mask of real tokens."""
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width, dtype=torch.float32)
+    for i, tokens in enumerate(rows):
+        if tokens:
+            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            mask[i, : len(tokens)] = 1.0
+    return ids.to(device), mask.to(device)
 
 
 class Sampler:
@@ -180,17 +234,29 @@ class Sampler:
         if metadata.num_rows == 0:
             return SamplerOutput(token_ids=[])
         raw = logits.float()
-        processed = _apply_processors_and_forbidden(raw, metadata)
+        processed = adjusted_logits(raw, metadata)
         token_ids = _choose(processed, metadata)
         if metadata.max_num_logprobs is None:
             return SamplerOutput(token_ids=token_ids.tolist())
         return _with_logprobs(raw, token_ids, metadata.max_num_logprobs, metadata)
 
 
-def _apply_processors_and_forbidden(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    if not md.logits_processors and md.forbidden_rows is None:
+def adjusted_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits after step 1 of the module doc; `raw` itself when nothing applies, else a new tensor."""
+    if (
+        not md.logits_processors
+        and md.forbidden_rows is None
+        and md.bias_rows is None
+        and md.penalty_rows is None
+        and md.grammar is None
+    ):
         return raw
     logits = raw.clone()
+    vocab = logits.shape[1]
+    if md.bias_rows is not None and md.bias_token_ids is not None and md.bias_values is not None:
+        logits.index_put_((md.bias_rows, md.bias_token_ids), md.bias_values, accumulate=True)
+    if md.penalty_rows is not None:
+        _apply_penalties(logits, md)
     for row, processors in md.logits_processors:
         row_logits = logits[row]
         out = row_logits
@@ -198,14 +264,41 @@ def _apply_processors_and_forbidden(raw: torch.Tensor, md: SamplingMetadata) -> 
             out = processor(md.output_token_ids[row], out)
         if out is not row_logits:
             row_logits.copy_(out)
+    if md.grammar is not None:
+        allowed = unpack(md.grammar.bitmask.to(logits.device), vocab)
+        if allowed.shape[1] < vocab:  # a vocabulary the grammar does not cover: those tokens are not allowed
+            allowed = F.pad(allowed, (0, vocab - allowed.shape[1]))
+        rows = md.grammar.rows.to(logits.device)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     if md.forbidden_rows is not None and md.forbidden_token_ids is not None:
         rows, tokens = md.forbidden_rows, md.forbidden_token_ids
-        vocab = logits.shape[1]
         if md.max_forbidden_token_id >= vocab:  # an id past this model's vocab cannot be sampled anyway
             in_vocab = tokens < vocab
             rows, tokens = rows[in_vocab], tokens[in_vocab]
         logits.index_put_((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
     return logits
+
+
+def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """Presence, frequency and repetition penalties of the penalized rows, in place, all rows at once."""
+    assert md.penalty_rows is not None
+    assert md.output_ids is not None
+    assert md.output_mask is not None
+    assert md.presence_penalty is not None
+    assert md.frequency_penalty is not None
+    rows = md.penalty_rows
+    vocab = logits.shape[1]
+    x = logits[rows]
+    counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(1, md.output_ids.clamp(max=vocab - 1), md.output_mask)
+    x -= md.frequency_penalty[:, None] * counts + md.presence_penalty[:, None] * counts.clamp(max=1.0)
+    if md.repetition_penalty is not None and md.seen_ids is not None and md.seen_mask is not None:
+        seen = torch.zeros(len(rows), vocab, dtype=torch.float32, device=logits.device)
+        seen.scatter_add_(1, md.seen_ids.clamp(max=vocab - 1), md.seen_mask)
+        penalty = md.repetition_penalty[:, None]
+        penalized = torch.where(x > 0, x / penalty, x * penalty)
+        x = torch.where(seen > 0, penalized, x)
+    logits[rows] = x
 
 
 def _choose(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -12,10 +12,11 @@ string or a list, lists for the id and processor fields) while the attributes ha
 
 from __future__ import annotations
 
+import json as _json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, TypeAlias, TypeGuard
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeGuard
 
 from loraplex.engine.errors import RequestError
 
@@ -34,6 +35,10 @@ GREEDY_TEMPERATURE: Final = 1e-5
 # torch.Generator.manual_seed accepts exactly this range; checking here keeps a bad seed a 400, not a crash.
 _MIN_SEED: Final = -(2**63)
 _MAX_SEED: Final = 2**64 - 1
+
+# OpenAI's logit_bias range: -100 bans a token in practice, +100 makes it the only choice in practice.
+MAX_LOGIT_BIAS: Final = 100.0
+MAX_PENALTY: Final = 2.0  # OpenAI's presence and frequency penalty range is [-2, 2]
 
 _INVALID: Final = "invalid_value"
 
@@ -100,10 +105,117 @@ def _processors(value: object) -> tuple[LogitsProcessor, ...]:
 
 
 @dataclass(frozen=True, slots=True, init=False)
+class StructuredOutputsParams:
+    """A request's output grammar, as vLLM's `StructuredOutputsParams`: exactly one of a JSON schema (`json`, a
+    dict or its JSON text), any JSON object (`json_object=True`), a regular expression, a list of choices, or an EBNF
+    grammar (xgrammar's dialect, GBNF-like). The engine compiles it once per distinct spec and masks each step's
+    logits to the tokens it allows; `check_request` refuses a spec that does not compile, or a schema keyword that
+    cannot be enforced, as a RequestError naming `param`."""
+
+    kind: str  # "json", "json_object", "regex", "choice" or "grammar"
+    spec: str  # the canonical text: compact JSON for a schema, the JSON list of choices, else as given
+    param: str  # the API field it came from, for error messages
+
+    def __init__(
+        self,
+        *,
+        json: Mapping[str, Any] | str | None = None,
+        json_object: bool = False,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
+        grammar: str | None = None,
+        param: str = "structured_outputs",
+    ) -> None:
+        given = [
+            name
+            for name, value in (("json", json), ("regex", regex), ("choice", choice), ("grammar", grammar))
+            if value is not None
+        ]
+        if json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            found = ", ".join(given) if given else "none"
+            raise _invalid(
+                param, f"{param} must set exactly one of json, json_object, regex, choice, grammar; got {found}"
+            )
+        kind = given[0]
+        if kind == "json":
+            spec = _canonical_schema(param, json)
+        elif kind == "json_object":
+            spec = ""
+        elif kind == "choice":
+            if isinstance(choice, str) or not isinstance(choice, Sequence) or not choice:
+                raise _invalid(param, f"{param} choice must be a non-empty list of strings")
+            if not all(isinstance(c, str) and c for c in choice):
+                raise _invalid(param, f"{param} choices must be non-empty strings")
+            spec = _json.dumps(list(choice), ensure_ascii=False)
+        else:
+            text = regex if kind == "regex" else grammar
+            if not isinstance(text, str) or not text:
+                raise _invalid(param, f"{param} {kind} must be a non-empty string")
+            spec = text
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "param", param)
+
+    @property
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema of a `json` spec, else None."""
+        return _json.loads(self.spec) if self.kind == "json" else None
+
+    @property
+    def choices(self) -> list[str] | None:
+        return _json.loads(self.spec) if self.kind == "choice" else None
+
+
+def _canonical_schema(param: str, value: object) -> str:
+    if isinstance(value, str):
+        try:
+            value = _json.loads(value)
+        except ValueError as exc:
+            raise _invalid(param, f"{param} json is not valid JSON: {exc}") from None
+    if not isinstance(value, Mapping) and not isinstance(value, bool):
+        raise _invalid(param, f"{param} json must be a JSON schema (an object), got {type(value).__name__}")
+    try:
+        # Keys keep their order: a schema's property order is the order the output follows.
+        return _json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise _invalid(param, f"{param} json must be plain JSON: {exc}") from None
+
+
+def _penalty(param: str, value: object, *, low: float, high: float, neutral: float) -> float:
+    number = _float(param, value, low=low, high=high, low_open=param == "repetition_penalty")
+    return neutral if number == neutral else number
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs sorted by id; ids as ints or as the decimal strings of OpenAI's JSON keys."""
+    if value is None:
+        return ()
+    if isinstance(value, tuple) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in value):
+        value = dict(value)  # the attribute's own form, as dataclasses.replace passes it back
+    if not isinstance(value, Mapping):
+        raise _invalid("logit_bias", "logit_bias must map token ids to numbers")
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not _is_int(token) or token < 0:
+            raise _invalid("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        pairs[token] = _float(f"logit_bias[{key}]", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+    return tuple(sorted((t, b) for t, b in pairs.items() if b != 0.0))
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class SamplingParams:
     """How one request picks its tokens and when it stops. Defaults match vLLM's."""
 
     n: int  # completions per request; only 1 is supported
+    presence_penalty: float  # OpenAI's: minus this from each token's logit once it has appeared in the output
+    frequency_penalty: float  # OpenAI's: minus this times the number of times the token appeared in the output
+    repetition_penalty: float  # vLLM's (and CTRL's): a token seen in prompt or output has its logit divided by
+    # this when positive, multiplied when negative; 1 is none
+    logit_bias: tuple[tuple[int, float], ...]  # (token id, bias added to its logit), sorted by id
+    structured_outputs: StructuredOutputsParams | None  # the output's grammar, if any
     temperature: float  # >= 0; 0 (below GREEDY_TEMPERATURE) means greedy
     top_p: float  # nucleus: keep the most likely tokens whose mass reaches top_p; 0 < top_p <= 1
     top_k: int  # keep the top_k most likely tokens; 0 or -1 keeps all
@@ -123,6 +235,11 @@ class SamplingParams:
         self,
         *,
         n: int = 1,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | Mapping[str, float] | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -152,8 +269,21 @@ class SamplingParams:
             _int("seed", seed, low=_MIN_SEED, high=_MAX_SEED)
         if logprobs is not None:
             _int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
+        if structured_outputs is not None and not isinstance(structured_outputs, StructuredOutputsParams):
+            raise _invalid("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         fields: dict[str, object] = {
             "n": n,
+            "presence_penalty": _penalty(
+                "presence_penalty", presence_penalty, low=-MAX_PENALTY, high=MAX_PENALTY, neutral=0.0
+            ),
+            "frequency_penalty": _penalty(
+                "frequency_penalty", frequency_penalty, low=-MAX_PENALTY, high=MAX_PENALTY, neutral=0.0
+            ),
+            "repetition_penalty": _penalty(
+                "repetition_penalty", repetition_penalty, low=0.0, high=math.inf, neutral=1.0
+            ),
+            "logit_bias": _logit_bias(logit_bias),
+            "structured_outputs": structured_outputs,
             "temperature": _float("temperature", temperature, low=0.0),
             "top_p": _float("top_p", top_p, low=0.0, high=1.0, low_open=True),
             "top_k": top_k,
@@ -171,6 +301,10 @@ class SamplingParams:
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:

@@ -5,10 +5,11 @@ Requests accept OpenAI's fields plus vLLM's sampling extras (top_k, min_p, min_t
 skip_special_tokens, include_stop_str_in_output), vLLM's `cache_salt` and `stream_options.continuous_usage_stats`,
 and one field of our own for a trusted caller (the platform): `lora_adapter`, an adapter named by its files and
 content digest (`LoraAdapterSpec`). Unknown fields are ignored, as both servers do, and listed in `model_extra` so
-the server can log them. Shape errors (a wrong type, a role that does not exist) fail
-validation and name the field; values the engine cannot honour (n > 1, penalties, tools, a JSON response format)
-are refused by `sampling_params()` / `check_supported()` with a `RequestError` naming the field; ranges
-(temperature, top_p, ...) are `SamplingParams`'s to check, so each rule lives in one place.
+the server can log them. Shape errors (a wrong type, a role that does not exist) fail validation and name the
+field; values the engine cannot honour (n > 1, tools) are refused by `sampling_params()` / `check_supported()` with a
+`RequestError` naming the field; ranges (temperature, top_p, penalties, ...) are `SamplingParams`'s to check, and
+output grammars (`response_format`, vLLM's `guided_*` and `structured_outputs`) the engine's grammar compiler's, so
+each rule lives in one place.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pydantic import (
 )
 
 from loraplex.engine.core.outputs import PositionLogprobs
-from loraplex.engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from loraplex.engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from loraplex.engine.errors import RequestError
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
@@ -112,10 +113,34 @@ class LoraAdapterSpec(BaseModel):
         return digest
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field: exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
 
 
 class _SamplingFields(_Request):
@@ -146,6 +171,12 @@ class _SamplingFields(_Request):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     repetition_penalty: float | None = None
+    # vLLM's structured outputs: the older guided_* fields and the newer structured_outputs object
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -173,20 +204,48 @@ class _SamplingFields(_Request):
 
     def check_supported(self) -> None:
         """Refuse what the engine cannot do rather than silently ignoring it."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0):
-                raise _unsupported(name, f"{name} is not supported; leave it unset or 0")
-        if self.repetition_penalty not in (None, 1):
-            raise _unsupported("repetition_penalty", "repetition_penalty is not supported; leave it unset or 1")
-        if self.logit_bias:
-            raise _unsupported("logit_bias", "logit_bias is not supported; leave it unset or empty")
+
+    def output_grammar(self) -> StructuredOutputsParams | None:
+        """The one grammar the request's fields ask for (None for free text); RequestError if several do."""
+        asked: list[StructuredOutputsParams] = []
+        if self.guided_json is not None:
+            asked.append(StructuredOutputsParams(json=self.guided_json, param="guided_json"))
+        if self.guided_regex is not None:
+            asked.append(StructuredOutputsParams(regex=self.guided_regex, param="guided_regex"))
+        if self.guided_choice is not None:
+            asked.append(StructuredOutputsParams(choice=self.guided_choice, param="guided_choice"))
+        if self.guided_grammar is not None:
+            asked.append(StructuredOutputsParams(grammar=self.guided_grammar, param="guided_grammar"))
+        if (so := self.structured_outputs) is not None:
+            asked.append(
+                StructuredOutputsParams(
+                    json=so.json_,
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                    json_object=bool(so.json_object),
+                    param="structured_outputs",
+                )
+            )
+        asked.extend(self._format_grammar())
+        if len(asked) > 1:
+            names = ", ".join(a.param for a in asked)
+            raise RequestError(f"ask for one output format, not several ({names})", param=asked[1].param)
+        return asked[0] if asked else None
+
+    def _format_grammar(self) -> list[StructuredOutputsParams]:
+        return []
 
     def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; SamplingParams raises RequestError naming any out-of-range field."""
         self.check_supported()
         return SamplingParams(
             n=self.n if self.n is not None else 1,
+            presence_penalty=self.presence_penalty if self.presence_penalty is not None else 0.0,
+            frequency_penalty=self.frequency_penalty if self.frequency_penalty is not None else 0.0,
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+            logit_bias=self.logit_bias,
+            structured_outputs=self.output_grammar(),
             temperature=self.temperature if self.temperature is not None else 1.0,
             top_p=self.top_p if self.top_p is not None else 1.0,
             top_k=self.top_k if self.top_k is not None else 0,
@@ -400,6 +459,19 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
 
+    def _format_grammar(self) -> list[StructuredOutputsParams]:
+        """`response_format` as a grammar: OpenAI's json_object and json_schema."""
+        response_format = self.response_format
+        if response_format is None or response_format.type == "text":
+            return []
+        if response_format.type == "json_object":
+            return [StructuredOutputsParams(json_object=True, param="response_format")]
+        spec = response_format.json_schema
+        if spec is None:
+            raise RequestError("response_format of type json_schema needs its json_schema", param="response_format")
+        schema = spec.schema_ if spec.schema_ is not None else {}  # OpenAI's default: any JSON (an empty schema)
+        return [StructuredOutputsParams(json=schema, param="response_format.json_schema.schema")]
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools or self.functions:
@@ -408,8 +480,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
             name = "tool_choice" if self.tool_choice not in (None, "none") else "function_call"
             raise _unsupported(name, "tool and function calling are not supported by this server")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise _unsupported("response_format", "only response_format type 'text' is supported")
         if self.chat_template is not None or self.chat_template_kwargs:
             name = "chat_template" if self.chat_template is not None else "chat_template_kwargs"
             raise _unsupported(name, "a request may not supply its own chat template; the model's template is used")

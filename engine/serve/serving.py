@@ -248,9 +248,14 @@ class OpenAIServing:
             )
         return model or self.model_name, AdapterRef(name=adapter.name, source=source, digest=adapter.digest)
 
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> CheckedPrompt:
+    async def _check_prompt(self, token_ids: list[int], params: SamplingParams, param: str) -> CheckedPrompt:
+        """The checked prompt; one with an output grammar is checked in a worker thread, since compiling a new
+        grammar (and loading xgrammar, the first time) would stall this server's other requests."""
+        check = self.engine.core.check_request
         try:
-            return self.engine.core.check_request(token_ids, params)
+            if params.structured_outputs is not None:
+                return await asyncio.to_thread(check, token_ids, params)
+            return check(token_ids, params)
         except ContextLengthExceeded as exc:
             exc.param = param
             raise
@@ -303,7 +308,7 @@ class OpenAIServing:
             else:
                 token_ids = list(prompt)
                 text = tokenizer.decode(prompt, skip_special_tokens=False) if body.echo else None
-            prompts.append(_Prompt(self._check_prompt(token_ids, params, "prompt"), text))
+            prompts.append(_Prompt(await self._check_prompt(token_ids, params, "prompt"), text))
         return self._job("cmpl", body, prompts, params, arrived, model, lora)
 
     async def chat_job(self, body: ChatCompletionRequest) -> Job:
@@ -314,7 +319,7 @@ class OpenAIServing:
         text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt)
         # The rendered template carries its own special tokens (BOS included): adding them again would double them.
         token_ids = await self._encode(text, add_special_tokens=False, param="messages")
-        prompt = _Prompt(self._check_prompt(token_ids, params, "messages"), text)
+        prompt = _Prompt(await self._check_prompt(token_ids, params, "messages"), text)
         return self._job("chatcmpl", body, [prompt], params, arrived, model, lora)
 
     # generation

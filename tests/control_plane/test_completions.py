@@ -15,10 +15,11 @@ import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import torch
 from _support import services
@@ -554,6 +555,11 @@ def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(platfor
     ("params", "param"),
     [
         ({"n": 2}, "n"),
+        ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"logit_bias": {"-1": 5}}, "logit_bias"),
+        ({"extra_body": {"response_format": {"type": "json_schema"}}}, "response_format"),
+        ({"extra_body": {"guided_choice": []}}, "guided_choice"),
         ({"max_tokens": 10**7}, "max_tokens"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -562,7 +568,21 @@ def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(platfor
         ({"temperature": 3}, "temperature"),
         ({"top_logprobs": 2}, None),  # without logprobs
     ],
-    ids=["n", "max_tokens", "max_completion_tokens", "stop", "chat_template", "lora_adapter", "temperature", "top_lp"],
+    ids=[
+        "n",
+        "tools",
+        "frequency_penalty",
+        "logit_bias",
+        "json_schema",
+        "guided_choice",
+        "max_tokens",
+        "max_completion_tokens",
+        "stop",
+        "chat_template",
+        "lora_adapter",
+        "temperature",
+        "top_lp",
+    ],
 )
 def test_requests_the_platform_does_not_offer_are_400(
     platform: Platform, owner: Owner, params: dict[str, Any], param: str | None
@@ -574,6 +594,83 @@ def test_requests_the_platform_does_not_offer_are_400(
     assert error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] is not None and error["param"].startswith(param), error
+
+
+def test_refusals_say_what_is_wrong_in_openais_words(platform: Platform, owner: Owner) -> None:
+    client = platform.client(owner.tenant.key)
+    cases = [
+        ({"n": 3}, "n must be 1"),
+        ({"extra_body": {"no_such_field": 1}}, "Unrecognized request argument supplied: no_such_field"),
+        ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tool calling is not offered"),
+    ]
+    for params, words in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=ENDPOINT, messages=MESSAGES, **params)
+        assert words in envelope(info.value)["message"]
+
+
+class Ticket(pydantic.BaseModel):
+    """A structured answer, as the `openai` SDK's parse helper asks for it (a strict json_schema)."""
+
+    title: str = pydantic.Field(max_length=8)
+    priority: int = pydantic.Field(ge=1, le=5)
+    team: Literal["infra", "billing", "support"]
+
+
+def test_structured_outputs_through_an_adapters_endpoint(platform: Platform, owner: Owner) -> None:
+    client = platform.client(owner.tenant.key)
+    for seed in range(3):
+        completion = client.chat.completions.parse(
+            model=ENDPOINT, messages=MESSAGES, response_format=Ticket, max_completion_tokens=80, temperature=1.0,
+            seed=seed,
+        )  # fmt: skip
+        assert completion.choices[0].finish_reason == "stop"
+        assert isinstance(completion.choices[0].message.parsed, Ticket)
+    with client.chat.completions.stream(
+        model=ENDPOINT,
+        messages=MESSAGES,
+        response_format=Ticket,
+        max_completion_tokens=80,
+        temperature=1.0,
+        seed=9,
+        stream_options={"include_usage": True},
+    ) as stream:
+        final = stream.get_final_completion()
+    assert isinstance(final.choices[0].message.parsed, Ticket)
+    assert final.usage is not None and final.usage.completion_tokens > 0
+    choice = client.completions.create(
+        model=platform.base_model, prompt=PROMPT, max_tokens=8, extra_body={"guided_choice": ["page", "wait"]}
+    )
+    assert choice.choices[0].text in ("page", "wait")
+
+
+def test_a_schema_the_engine_cannot_enforce_is_a_400_naming_the_keyword(platform: Platform, owner: Owner) -> None:
+    client = platform.client(owner.tenant.key)
+    response_format = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"not": {"type": "string"}}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=ENDPOINT,
+            messages=MESSAGES,
+            response_format=response_format,  # type: ignore[arg-type]
+        )
+    error = envelope(info.value)
+    assert "'not'" in error["message"], error
+    assert error["param"] == "response_format.json_schema.schema"
+
+
+def test_logit_bias_and_penalties_reach_the_engine(platform: Platform, owner: Owner) -> None:
+    client = platform.client(owner.tenant.key)
+    token = platform.tokenizer.encode("a", add_special_tokens=False)[0]
+    forced = client.completions.create(
+        model=ENDPOINT, prompt=PROMPT, max_tokens=5, logit_bias={str(token): 100}, extra_body={"min_tokens": 5}
+    )
+    assert forced.choices[0].text == "a" * 5
+    plain = client.completions.create(model=ENDPOINT, prompt=PROMPT, max_tokens=16, **GREEDY)
+    penalized = client.completions.create(
+        model=ENDPOINT, prompt=PROMPT, max_tokens=16, frequency_penalty=2, presence_penalty=2, **GREEDY,
+        extra_body={"repetition_penalty": 1.5},
+    )  # fmt: skip
+    assert penalized.choices[0].text != plain.choices[0].text
 
 
 def test_an_oversized_body_is_refused_with_an_envelope(platform: Platform, owner: Owner) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, StringConstraints, model_validator
+from pydantic import ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from loraplex.engine.serve import ChatMessage as EngineChatMessage
 from loraplex.engine.serve import completion_limit
@@ -17,8 +17,15 @@ from loraplex.platform.schemas import Name, RequestBody
 MAX_STOP = 4
 MAX_MESSAGES = 2048
 MAX_TOKENS = 1_000_000
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's bound on how many tokens one request may bias
+MAX_CHOICES = 128  # for guided_choice
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=1000)]
+TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # logit_bias keys: JSON keys are strings
+Bias = Annotated[float, Field(ge=-100, le=100)]
+Choices = Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+Regex = Annotated[str, StringConstraints(min_length=1, max_length=10_000)]
+Grammar = Annotated[str, StringConstraints(min_length=1, max_length=100_000)]
 Identifier = Annotated[str, StringConstraints(max_length=256)]
 
 
@@ -35,15 +42,49 @@ class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(RequestBody):
+    """`response_format.json_schema`, as OpenAI defines it (the `openai` SDK's `parse` sends one)."""
+
+    # The engine names the schema's field by its JSON key; `schema` itself would shadow a BaseModel attribute.
+    model_config = ConfigDict(extra="forbid", strict=True, serialize_by_alias=True)
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Annotated[str, StringConstraints(max_length=4096)] | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
 class ResponseFormat(RequestBody):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs its json_schema: {name, schema, strict}")
+        return self
+
+
+class StructuredOutputs(RequestBody):
+    """vLLM's `structured_outputs`: exactly one of these (the engine says so if not)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, serialize_by_alias=True)
+
+    json_: Annotated[dict[str, Any] | None, Field(alias="json")] = None
+    regex: Annotated[str, StringConstraints(min_length=1, max_length=10_000)] | None = None
+    choice: (
+        Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+        | None
+    ) = None
+    grammar: Annotated[str, StringConstraints(min_length=1, max_length=100_000)] | None = None
+    json_object: bool | None = None
 
 
 class _Common(RequestBody):
     model: Name
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1  # more choices per request are not offered
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
@@ -51,12 +92,30 @@ class _Common(RequestBody):
     user: Identifier | None = None
     safety_identifier: Identifier | None = None
     prompt_cache_key: Identifier | None = None  # a routing hint inside the tenant, never across tenants
-    presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: Annotated[dict[TokenId, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # vLLM's extras, as its users send them
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_regex: Annotated[str, StringConstraints(min_length=1, max_length=10_000)] | None = None
+    guided_choice: (
+        Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+        | None
+    ) = None
+    guided_grammar: Annotated[str, StringConstraints(min_length=1, max_length=100_000)] | None = None
+    structured_outputs: StructuredOutputs | None = None
     metadata: (
         Annotated[dict[Identifier, Annotated[str, StringConstraints(max_length=512)]], Field(max_length=16)] | None
     ) = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("n must be 1: one choice per request is offered for now")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -70,10 +129,17 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
-    # Accepted only absent: tool calling is not offered, and a chat template is the model's own.
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
+    # Accepted only absent or empty: tool calling is not offered yet, and a chat template is the model's own.
+    tools: list[Any] | None = None
     tool_choice: Literal["none"] | None = None
     chat_template: None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tool calling is not offered yet: send no tools (response_format json_schema is)")
+        return value
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:

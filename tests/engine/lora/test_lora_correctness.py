@@ -126,4 +126,3 @@ def test_adapters_evicted_and_reloaded(base_and_adapters: tuple[Path, dict[str, 
     _run_mixed(llm, base, adapters, seed=2)
     _run_mixed(llm, base, adapters, seed=3)
     assert len(llm.engine.adapters.resident()) <= 3
-

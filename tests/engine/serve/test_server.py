@@ -14,11 +14,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
+from _support.checkpoints import tiny_spec
 from _support.engine_server import running_engine_server
 from _support.waiting import poll
 from litestar import Litestar
@@ -31,7 +33,6 @@ from loraplex.engine.serve.async_engine import AsyncEngine
 from loraplex.engine.serve.metrics import EngineMetrics
 from loraplex.engine.serve.server import create_engine_app
 from loraplex.engine.tools.demo import write_random_model
-from tests._support.checkpoints import tiny_spec
 
 pytestmark = pytest.mark.unit
 
@@ -393,10 +394,12 @@ def test_invalid_temperature_names_the_field(server: Server) -> None:
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"100000": 10}}, "logit_bias"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": 5}, "stop"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
@@ -586,3 +589,94 @@ def test_a_failed_engine_ends_streams_with_an_error_event_then_answers_503(model
         refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert refused.status_code == 503
         assert refused.json()["error"]["type"] == "server_error"
+
+
+# --- structured outputs and sampling extras through the server ------------------------------------------------------
+
+
+class Person(pydantic.BaseModel):
+    """What the `openai` SDK's parse helper turns into a strict json_schema response format."""
+
+    name: str = pydantic.Field(max_length=6)
+    age: int = pydantic.Field(ge=0, le=99)
+    role: Literal["admin", "user"]
+
+
+def test_sdk_parse_returns_the_parsed_object(server: Server) -> None:
+    client = server.client()
+    for seed in range(3):
+        completion = client.chat.completions.parse(
+            model=MODEL, messages=MESSAGES, response_format=Person, max_tokens=120, temperature=1.0, seed=seed
+        )
+        message = completion.choices[0].message
+        assert completion.choices[0].finish_reason == "stop"
+        assert isinstance(message.parsed, Person)
+        assert message.parsed == Person.model_validate_json(message.content or "")
+
+
+def test_sdk_stream_helper_parses_the_streamed_object(server: Server) -> None:
+    with server.client().chat.completions.stream(
+        model=MODEL, messages=MESSAGES, response_format=Person, max_tokens=120, temperature=1.0, seed=5
+    ) as stream:
+        deltas = [event.delta for event in stream if event.type == "content.delta"]
+        final = stream.get_final_completion()
+    assert len(deltas) > 1
+    assert isinstance(final.choices[0].message.parsed, Person)
+    assert "".join(deltas) == final.choices[0].message.content
+
+
+def test_json_object_and_vllm_guided_fields(server: Server) -> None:
+    client = server.client()
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, response_format={"type": "json_object"}
+    )
+    if chat.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
+    choice = client.completions.create(
+        model=MODEL, prompt="Pick:", max_tokens=8, extra_body={"guided_choice": ["left", "right"]}
+    )
+    assert choice.choices[0].text in ("left", "right")
+    regex = client.completions.create(
+        model=MODEL, prompt="Code:", max_tokens=12, extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"}
+    )
+    assert re.fullmatch("[A-Z]{2}[0-9]{2}", regex.choices[0].text)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for body in ({"guided_json": schema}, {"structured_outputs": {"json": schema}}):
+        out = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=20, extra_body=body)
+        assert isinstance(json.loads(out.choices[0].text)["ok"], bool)
+
+
+def test_a_schema_keyword_it_cannot_enforce_is_a_400_naming_it(server: Server) -> None:
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+    }
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=4,
+            response_format=response_format,  # type: ignore[arg-type]
+        )
+    error = _error(info.value)
+    assert error["param"] == "response_format.json_schema.schema"
+    assert "'uniqueItems'" in error["message"]
+
+
+def test_logit_bias_and_penalties_are_honoured(server: Server) -> None:
+    client = server.client()
+    token = server.tokenizer.encode("a", add_special_tokens=False)[0]
+    forced = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=6, temperature=1.0, logit_bias={str(token): 100}, extra_body=NO_EOS
+    )
+    assert forced.choices[0].text == "a" * 6
+    plain = client.completions.create(model=MODEL, prompt="x", max_tokens=24, extra_body={**GREEDY, **NO_EOS})
+    penalized = client.completions.create(
+        model=MODEL,
+        prompt="x",
+        max_tokens=24,
+        frequency_penalty=2.0,
+        presence_penalty=2.0,
+        extra_body={**GREEDY, **NO_EOS, "repetition_penalty": 1.5},
+    )
+    assert penalized.choices[0].text != plain.choices[0].text

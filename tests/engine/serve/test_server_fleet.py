@@ -27,6 +27,7 @@ import pytest
 import redis
 import torch
 from _support.adapters import make_peft_adapter
+from _support.checkpoints import tiny_spec
 from _support.engine_server import running_engine_server
 from _support.services import RedisServer
 from _support.waiting import poll
@@ -43,7 +44,6 @@ from loraplex.engine.serve.registration import RegistrationConfig
 from loraplex.engine.serve.server import create_engine_app
 from loraplex.engine.tools.demo import write_random_model
 from loraplex.platform.cli import main
-from tests._support.checkpoints import tiny_spec
 
 TINY = tiny_spec()
 MODEL = "tiny"

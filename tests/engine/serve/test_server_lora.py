@@ -23,6 +23,7 @@ import openai
 import pytest
 import torch
 from _support.adapters import make_peft_adapter
+from _support.checkpoints import tiny_spec
 from _support.engine_server import running_engine_server
 from _support.waiting import poll
 from click.testing import CliRunner
@@ -35,7 +36,6 @@ from loraplex.engine.serve.async_engine import AsyncEngine
 from loraplex.engine.serve.server import create_engine_app, load_lora_modules
 from loraplex.engine.tools.demo import write_random_model
 from loraplex.platform.cli import main
-from tests._support.checkpoints import tiny_spec
 
 pytestmark = pytest.mark.unit
 

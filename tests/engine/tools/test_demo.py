@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from _support.checkpoints import tiny_spec
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -21,7 +22,6 @@ from loraplex.engine.tools.demo import (
     train_demo_tokenizer,
     write_random_model,
 )
-from tests._support.checkpoints import tiny_spec
 
 pytestmark = pytest.mark.unit
 
