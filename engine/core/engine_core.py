@@ -320,7 +320,7 @@ class EngineCore:
             default_generator=self._default_generator,
             device=self.device,
             prompt_token_ids=[r.prompt_token_ids for r in rows],
-            grammar=fill_bitmasks(constrained, self.model_config.vocab_size, self.grammars.json_safe)
+            grammar=fill_bitmasks(constrained, len(rows), self.model_config.vocab_size, self.grammars.json_safe)
             if constrained
             else None,
         )

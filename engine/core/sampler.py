@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.core.sampling_params import LogitsProcessor, SamplingParams
-from loraplex.engine.core.structured_output import GrammarMasks, unpack
+from loraplex.engine.core.structured_output import GrammarMasks, apply_masks
 
 logger = logging.getLogger(__name__)
 
@@ -265,11 +265,7 @@ def adjusted_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if out is not row_logits:
             row_logits.copy_(out)
     if md.grammar is not None:
-        allowed = unpack(md.grammar.bitmask.to(logits.device), vocab)
-        if allowed.shape[1] < vocab:  # a vocabulary the grammar does not cover: those tokens are not allowed
-            allowed = F.pad(allowed, (0, vocab - allowed.shape[1]))
-        rows = md.grammar.rows.to(logits.device)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        apply_masks(logits, md.grammar)
     if md.forbidden_rows is not None and md.forbidden_token_ids is not None:
         rows, tokens = md.forbidden_rows, md.forbidden_token_ids
         if md.max_forbidden_token_id >= vocab:  # an id past this model's vocab cannot be sampled anyway

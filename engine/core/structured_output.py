@@ -256,25 +256,37 @@ class GrammarState:
 
 @dataclass(frozen=True, slots=True)
 class GrammarMasks:
-    """One step's masks: row `rows[i]` of the logits may take the tokens set in `bitmask[i]`."""
+    """One step's masks: logits row `r` of `rows` may take the tokens set in `bitmask[r]` (one bitmask row per row of
+    the step, as xgrammar's kernel indexes both by the same row; rows not in `rows` are left as they are)."""
 
-    rows: torch.Tensor  # [n] int64 logits rows
-    bitmask: torch.Tensor  # [n, ceil(vocab / 32)] int32, xgrammar's packed layout
+    rows: torch.Tensor  # [n] int64 logits rows that are constrained
+    bitmask: torch.Tensor  # [num_rows, ceil(vocab / 32)] int32, xgrammar's packed layout
+
+
+def apply_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
+    """Set to -inf, in place, every logit of `masks.rows` that its bitmask does not allow: xgrammar's kernel (C++ on
+    CPU, Triton on CUDA), about 2.5x faster here than unpacking the bits in torch (`unpack`, the reference)."""
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(
+        logits, masks.bitmask.to(logits.device), vocab_size=logits.shape[1], indices=masks.rows.tolist()
+    )
 
 
 def fill_bitmasks(
-    states: Sequence[tuple[int, GrammarState]], vocab_size: int, json_safe: torch.Tensor | None
+    states: Sequence[tuple[int, GrammarState]], num_rows: int, vocab_size: int, json_safe: torch.Tensor | None
 ) -> GrammarMasks | None:
-    """The masks of the step's constrained rows (row index, its state); None when there are none."""
+    """The masks of a step of `num_rows` rows whose constrained rows are `states` (row index, its state); None when
+    there are none."""
     if not states:
         return None
     import xgrammar
 
-    bitmask = xgrammar.allocate_token_bitmask(len(states), vocab_size)
-    for i, (_, state) in enumerate(states):
-        state.fill(bitmask, i)
+    bitmask = xgrammar.allocate_token_bitmask(num_rows, vocab_size)
+    for row, state in states:
+        state.fill(bitmask, row)
     if json_safe is not None:
-        json_rows = [i for i, (_, state) in enumerate(states) if state.is_json]
+        json_rows = [row for row, state in states if state.is_json]
         if json_rows:
             index = torch.tensor(json_rows, dtype=torch.int64)
             bitmask[index] &= json_safe[: bitmask.shape[1]]

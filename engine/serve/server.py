@@ -231,6 +231,10 @@ class OpenAIController(Controller):
     async def models(self, serving: Serving) -> Response[bytes]:
         return _json(serving.models())
 
+    @get("/models/{model_id:path}", summary="One model: the base model or a LoRA adapter (the SDK's models.retrieve)")
+    async def model(self, model_id: str, serving: Serving) -> Response[bytes]:
+        return _json(serving.model(model_id.lstrip("/")))
+
     @post("/load_lora_adapter", status_code=200, summary="Validate a LoRA adapter and serve it under a name (vLLM's)")
     async def load_lora_adapter(self, data: JSONBody[LoadLoRAAdapterRequest], serving: Serving) -> Response[str]:
         await serving.loras.load(data.lora_name, data.lora_path)

@@ -520,6 +520,13 @@ class OpenAIServing:
 
     # operations
 
+    def model(self, model_id: str) -> ModelCard:
+        """One card of `models()`; 404 model_not_found for a name it does not list."""
+        card = next((c for c in self.models().data if c.id == model_id), None)
+        if card is None:
+            raise ApiError(404, f"The model `{model_id[:256]}` does not exist.", code="model_not_found", param="model")
+        return card
+
     def models(self) -> ModelList:
         """The base model, then every registered adapter, as vLLM lists them."""
         cards = [

@@ -501,6 +501,14 @@ def test_models_lists_the_tenants_endpoints_and_the_base_models(platform: Platfo
     assert {"their-bot", platform.base_model, OTHER_BASE} <= theirs
     assert ENDPOINT not in theirs
     assert all(m.object == "model" for m in mine.values())
+    # The SDK's models.retrieve: the same cards one at a time, and another tenant's endpoint is not there.
+    client = platform.client(owner.tenant.key)
+    assert client.models.retrieve(ENDPOINT).model_dump() == mine[ENDPOINT].model_dump()
+    assert client.models.retrieve(platform.base_model).model_dump() == mine[platform.base_model].model_dump()
+    for missing in ("their-bot", "no-such-model", "a/b"):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.models.retrieve(missing)
+        assert envelope(info.value)["code"] == "model_not_found"
 
 
 # --- errors -----------------------------------------------------------------------------------------------------

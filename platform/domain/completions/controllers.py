@@ -1,4 +1,5 @@
-"""HTTP for tenant completions: POST /v1/chat/completions, POST /v1/completions, GET /v1/models."""
+"""HTTP for tenant completions: POST /v1/chat/completions, POST /v1/completions, GET /v1/models and
+GET /v1/models/{model}."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.db.pagination import MAX_PAGE_SIZE
 from loraplex.platform.dependencies import AppResources, Principal
 from loraplex.platform.domain.adapters.service import ready_adapter_ref
+from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
 from loraplex.platform.domain.completions.schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.domain.completions.service import (
@@ -29,6 +31,7 @@ from loraplex.platform.domain.completions.service import (
     engine_error,
     estimate_tokens,
     limits_for,
+    model_not_found,
     new_request_id,
     record_usage,
     record_usage_soon,
@@ -313,24 +316,27 @@ class CompletionsController(Controller):
                 endpoints += page.items
                 if not page.has_more:
                     break
-        data = [
-            {
-                "id": e.name,
-                "object": "model",
-                "created": int(e.created_at.timestamp()),
-                "owned_by": "you",
-                "kind": "endpoint",
-            }
-            for e in endpoints
-        ]
-        data += [
-            {
-                "id": b.name,
-                "object": "model",
-                "created": int(b.created_at.timestamp()),
-                "owned_by": "loraplex",
-                "kind": "base_model",
-            }
-            for b in base_models
-        ]
+        data = [_endpoint_card(e) for e in endpoints] + [_base_model_card(b) for b in base_models]
         return {"object": "list", "data": data}
+
+    @get("/models/{model_id:path}", summary="One model you can name (the SDK's models.retrieve)")
+    async def model(self, model_id: str, principal: Principal, resources: AppResources) -> dict[str, Any]:
+        name = model_id.lstrip("/")
+        async with resources.sessions() as session:
+            endpoint = await EndpointRepository(session).get_by_name(name, principal.tenant_id)
+            if endpoint is not None:
+                return _endpoint_card(endpoint)
+            base = await BaseModelRepository(session).get_by_name(name)
+        if base is None:
+            raise model_not_found(name)
+        return _base_model_card(base)
+
+
+def _endpoint_card(endpoint: Endpoint) -> dict[str, Any]:
+    created = int(endpoint.created_at.timestamp())
+    return {"id": endpoint.name, "object": "model", "created": created, "owned_by": "you", "kind": "endpoint"}
+
+
+def _base_model_card(base: BaseModel) -> dict[str, Any]:
+    created = int(base.created_at.timestamp())
+    return {"id": base.name, "object": "model", "created": created, "owned_by": "loraplex", "kind": "base_model"}

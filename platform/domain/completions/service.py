@@ -95,15 +95,15 @@ async def resolve(resources: Resources, principal: TenantPrincipal, model: str) 
             if endpoint.adapter_id is not None:
                 adapter = await AdapterRepository(session).get_readable_by_id(endpoint.adapter_id, principal.tenant_id)
             if base is None or (endpoint.adapter_id is not None and adapter is None):
-                raise _model_not_found(model)
+                raise model_not_found(model)
             return Target(model=model, base_model=base, endpoint=endpoint, adapter=adapter)
         base = await base_models.get_by_name(model)
         if base is None:
-            raise _model_not_found(model)
+            raise model_not_found(model)
         return Target(model=model, base_model=base)
 
 
-def _model_not_found(model: str) -> ApiError:
+def model_not_found(model: str) -> ApiError:
     return ApiError(
         404,
         f"The model '{model}' does not exist or you do not have access to it.",

@@ -130,8 +130,8 @@ def test_pack_and_unpack_follow_xgrammar_layout() -> None:
 
 def test_grammar_mask_applies_to_its_rows_only() -> None:
     raw = torch.randn(3, 64)
-    allowed = torch.zeros(1, 64, dtype=torch.bool)
-    allowed[0, [3, 9]] = True
+    allowed = torch.zeros(3, 64, dtype=torch.bool)
+    allowed[1, [3, 9]] = True
     masks = GrammarMasks(rows=torch.tensor([1]), bitmask=pack(allowed))
     md = SamplingMetadata.build(
         [SamplingParams(temperature=0)] * 3, [None] * 3, [[], [], []], device="cpu", grammar=masks

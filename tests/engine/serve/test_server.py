@@ -445,6 +445,10 @@ def test_models_lists_the_served_model(server: Server) -> None:
     assert card.object == "model"
     assert card.owned_by == "loraplex"
     assert card.model_extra is not None and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert server.client().models.retrieve(MODEL).model_dump() == card.model_dump()
+    with pytest.raises(openai.NotFoundError) as info:
+        server.client().models.retrieve("org/not-served")
+    assert _error(info.value)["code"] == "model_not_found"
 
 
 def test_healthz(server: Server) -> None:

@@ -382,6 +382,7 @@ def test_models_lists_the_base_model_and_every_adapter(server: Server) -> None:
         assert card.model_extra is not None
         assert card.model_extra["parent"] == MODEL
         assert card.model_extra["root"] == str(server.setup.adapters[source])
+        assert server.client().models.retrieve(name).model_dump() == card.model_dump()
 
 
 def test_state_reports_each_adapter_and_keeps_the_pool(server: Server) -> None:
