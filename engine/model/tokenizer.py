@@ -187,8 +187,15 @@ class Tokenizer:
         token_id: int | None = self._backend.token_to_id(token)
         return token_id
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """Renders `messages` ({"role": ..., "content": ...}) with the model's chat template, as transformers does.
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """Renders `messages` ({"role": ..., "content": ...}, and tool calls and results) and `tools` (OpenAI's
+        function definitions, as transformers passes them) with the model's chat template, as transformers does.
 
         Raises RequestError when the model has no template or the template rejects the conversation (a template's
         `raise_exception("...")` message is passed on).
@@ -204,7 +211,7 @@ class Tokenizer:
             return self._template.render(
                 messages=[dict(message) for message in messages],
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=[dict(tool) for tool in tools] if tools else None,
                 documents=None,
                 **self._special_tokens,
             )
@@ -214,7 +221,7 @@ class Tokenizer:
             # Template code is the model author's; whatever it trips over in these messages is the caller's to fix.
             raise RequestError(f"the chat template failed on the messages: {exc}", param="messages") from exc
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat: special tokens come from the template only, so BOS is never doubled."""
         return self.encode(
             self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt), add_special_tokens=False

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from loraplex.engine.core.config import parse_memory_budget
+from loraplex.engine.serve.tool_calls import TOOL_CALL_PARSERS
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -139,6 +140,13 @@ def engine() -> None:
     help="Require this bearer token on every /v1 route (vLLM's --api-key); the platform sends its "
     "LORAPLEX_ENGINE_API_KEY. Read from LORAPLEX_ENGINE_API_KEY when not given, which keeps it out of `ps`.",
 )
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice(TOOL_CALL_PARSERS),
+    default=None,
+    help="How tool_choice auto finds calls in the model's text (vLLM's option): hermes (Hermes, Qwen) or llama3_json "
+    "(Llama 3.1+). Default: the one the chat template's format calls for, else hermes.",
+)
 def engine_serve(
     model_path: Path,
     host: str,
@@ -168,6 +176,7 @@ def engine_serve(
     public_url: str | None,
     base_model_name: str | None,
     api_key: str | None,
+    tool_call_parser: str | None,
 ) -> None:
     """Serve one model and its LoRA adapters over OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions,
     /v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter); with --redis-url, register it in the fleet."""
@@ -270,6 +279,7 @@ def engine_serve(
                 adapter_roots=roots,
                 registration=registration,
                 api_key=api_key,
+                tool_call_parser=tool_call_parser,
             )
         )
     except (CheckpointError, ValueError) as exc:

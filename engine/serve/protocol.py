@@ -14,6 +14,7 @@ each rule lives in one place.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, cast
@@ -29,11 +30,13 @@ from pydantic import (
     StringConstraints,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from loraplex.engine.core.outputs import PositionLogprobs
 from loraplex.engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from loraplex.engine.errors import RequestError
+from loraplex.engine.serve.tool_calls import required_grammar
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
@@ -421,27 +424,105 @@ def check_content(value: Any) -> Any:
     return value
 
 
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # OpenAI's rule (dots: vLLM's)
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: FunctionName
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made, in an earlier turn (request) or this one (response)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        # HF chat templates render `arguments` with `tojson` and expect the object, as vLLM hands it to them.
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant turn that made tool calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns
+    tool_call_id: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None  # tool turns
 
     @field_validator("content", mode="before")
     @classmethod
     def _content_shape(cls, value: Any) -> Any:
-        return check_content(value)
+        return None if value is None else check_content(value)
+
+    @model_validator(mode="after")
+    def _fits_its_role(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except in an assistant message with tool_calls")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def for_template(self) -> dict[str, str]:
-        # Chat templates know system, user and assistant; OpenAI's developer role is the system role renamed.
+    def for_template(self) -> dict[str, Any]:
+        # Chat templates know system, user, assistant and tool; OpenAI's developer role is the system role renamed.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        message: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; absent: no arguments
+    strict: StrictBool | None = None
+
+    @property
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -451,16 +532,54 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool | None = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = True
     functions: list[Any] | None = None
     function_call: Any = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
 
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools, or tool_choice none), auto (the model decides; OpenAI's default with tools), required
+        (one call at least) or named (a call of `tool_choice`'s function)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def tool_names(self) -> frozenset[str]:
+        return frozenset(t.function.name for t in self.tools or ())
+
+    def tool_grammar(self) -> StructuredOutputsParams | None:
+        """The output grammar `required` or a named function calls for."""
+        mode = self.tool_mode
+        if mode == "required":
+            functions = [(t.function.name, t.function.arguments_schema) for t in self.tools or ()]
+            return required_grammar(functions, parallel=self.parallel_tool_calls is not False)
+        if mode == "named":
+            assert isinstance(self.tool_choice, NamedToolChoice)
+            name = self.tool_choice.function.name
+            tool = next((t for t in self.tools or () if t.function.name == name), None)
+            if tool is None:
+                raise RequestError(f"tool_choice names '{name}', which is not among the tools", param="tool_choice")
+            return StructuredOutputsParams(
+                json=tool.function.arguments_schema, param=f"tools[{name}].function.parameters"
+            )
+        return None
+
     def _format_grammar(self) -> list[StructuredOutputsParams]:
-        """`response_format` as a grammar: OpenAI's json_object and json_schema."""
+        """`response_format` as a grammar: OpenAI's json_object and json_schema; and the calls tool_choice forces."""
+        tools = self.tool_grammar()
+        if tools is not None:
+            return [tools, *self._response_format_grammar()]
+        return self._response_format_grammar()
+
+    def _response_format_grammar(self) -> list[StructuredOutputsParams]:
         response_format = self.response_format
         if response_format is None or response_format.type == "text":
             return []
@@ -474,12 +593,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools or self.functions:
-            name = "tools" if self.tools else "functions"
-            raise _unsupported(name, "tool and function calling are not supported by this server")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            name = "tool_choice" if self.tool_choice not in (None, "none") else "function_call"
-            raise _unsupported(name, "tool and function calling are not supported by this server")
+        if self.functions or self.function_call not in (None, "none"):
+            name = "functions" if self.functions else "function_call"
+            raise _unsupported(name, "the legacy functions API is not supported: send tools and tool_choice")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise RequestError("tool_choice needs tools", code="invalid_value", param="tool_choice")
         if self.chat_template is not None or self.chat_template_kwargs:
             name = "chat_template" if self.chat_template is not None else "chat_template_kwargs"
             raise _unsupported(name, "a request may not supply its own chat template; the model's template is used")
@@ -491,8 +609,14 @@ class ChatCompletionRequest(_SamplingFields):
         limit = completion_limit(self.max_completion_tokens, self.max_tokens)
         return self._sampling_params(max_tokens=limit, logprobs=logprobs)
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [message.for_template() for message in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as HF chat templates take them (OpenAI's shape), unless tool_choice is none."""
+        if self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
 
 
 class TopLogprob(BaseModel):
@@ -528,6 +652,19 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatChoice(BaseModel):
@@ -551,6 +688,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -282,6 +282,7 @@ def create_engine_app(
     adapter_roots: Sequence[str] = (),
     registration: RegistrationConfig | None = None,
     api_key: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> Litestar:
     """An app serving `engine`, which the caller owns (creates, and shuts down after the app stops), and the
     adapters already in `loras` (see `load_lora_modules`); without it, adapters come only from the load route.
@@ -290,12 +291,14 @@ def create_engine_app(
     refused). `registration`: register the engine in the fleet while the app runs (its lifespan, so only under an
     ASGI server that runs lifespans, as uvicorn does); its base-model name is then also accepted as `model`.
     `api_key`: every /v1 route (completions, models, the adapter load and unload routes) then needs it as a bearer
-    token, as vLLM's --api-key does; /healthz and /metrics stay open for probes and scrapes.
-    Raises ValueError for a malformed root.
+    token, as vLLM's --api-key does; /healthz and /metrics stay open for probes and scrapes. `tool_call_parser`: see
+    `OpenAIServing`. Raises ValueError for a malformed root or an unknown parser.
     """
     roots = AdapterRoots(adapter_roots)
     aliases = [registration.base_model] if registration is not None and registration.base_model else []
-    serving = OpenAIServing(engine, loras, adapter_roots=roots, model_aliases=aliases)
+    serving = OpenAIServing(
+        engine, loras, adapter_roots=roots, model_aliases=aliases, tool_call_parser=tool_call_parser
+    )
 
     def provide_serving() -> OpenAIServing:
         return serving
@@ -350,6 +353,7 @@ async def serve(
     adapter_roots: Sequence[str] = (),
     registration: RegistrationConfig | None = None,
     api_key: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Load the engine and the adapters named in `lora_modules`, serve them (and, with `registration`, announce
     them to the fleet) until uvicorn is told to stop (SIGINT/SIGTERM), then shut the engine down.
@@ -363,7 +367,14 @@ async def serve(
     engine = await AsyncEngine.create(config)
     try:
         loras = await load_lora_modules(engine, lora_modules)
-        app = create_engine_app(engine, loras, adapter_roots=adapter_roots, registration=registration, api_key=api_key)
+        app = create_engine_app(
+            engine,
+            loras,
+            adapter_roots=adapter_roots,
+            registration=registration,
+            api_key=api_key,
+            tool_call_parser=tool_call_parser,
+        )
         server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
         )

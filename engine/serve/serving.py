@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -56,11 +57,25 @@ from loraplex.engine.serve.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     LoraAdapterSpec,
     ModelCard,
     ModelList,
+    NamedToolChoice,
+    ToolCall,
     Usage,
+)
+from loraplex.engine.serve.tool_calls import (
+    TOOL_CALL_PARSERS,
+    ParsedToolCall,
+    ToolCallStream,
+    detect_parser,
+    new_call_id,
+    parse_auto,
+    parse_required,
 )
 
 logger = logging.getLogger(__name__)
@@ -194,10 +209,18 @@ class OpenAIServing:
         *,
         adapter_roots: AdapterRoots | None = None,
         model_aliases: Sequence[str] = (),
+        tool_call_parser: str | None = None,
     ) -> None:
         """`adapter_roots`: where a request's `lora_adapter` may point (None or empty: the field is refused);
-        `model_aliases`: other names of the base model in `model` (the name the platform knows it by)."""
+        `model_aliases`: other names of the base model in `model` (the name the platform knows it by);
+        `tool_call_parser`: how `tool_choice: auto` finds calls in the model's text (`TOOL_CALL_PARSERS`; None: the
+        one the chat template's format calls for, else hermes)."""
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, not {tool_call_parser!r}"
+            )
         self.engine = engine
+        self.tool_call_parser = tool_call_parser or detect_parser(engine.core.tokenizer.chat_template) or "hermes"
         self.model_name = engine.core.served_model_name
         self.model_aliases = frozenset(model_aliases) - {self.model_name}
         self.adapter_roots = adapter_roots if adapter_roots is not None else AdapterRoots()
@@ -316,7 +339,12 @@ class OpenAIServing:
         model, lora = self._check_model(body.model, body.lora_adapter)
         params = body.sampling_params()
         tokenizer = self.engine.core.tokenizer
-        text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=body.add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            body.template_messages(), add_generation_prompt=body.add_generation_prompt, tools=body.template_tools()
+        )
+        if body.tool_mode == "auto" and params.skip_special_tokens:
+            # Call markers such as Hermes' <tool_call> are special tokens: the parser must see them.
+            params = dataclasses.replace(params, skip_special_tokens=False)
         # The rendered template carries its own special tokens (BOS included): adding them again would double them.
         token_ids = await self._encode(text, add_special_tokens=False, param="messages")
         prompt = _Prompt(await self._check_prompt(token_ids, params, "messages"), text)
@@ -478,16 +506,29 @@ class OpenAIServing:
         logprobs = None
         if body.logprobs and completion.logprobs is not None:
             logprobs = ChoiceLogprobs.of(completion.token_ids, completion.logprobs, body.top_logprobs or 0)
+        content, calls = self._tool_calls(body, completion.text)
         choice = ChatChoice(
             index=0,
-            message=AssistantMessage(content=completion.text),
+            message=AssistantMessage(content=content, tool_calls=[_tool_call(c) for c in calls]),
             logprobs=logprobs,
-            finish_reason=completion.finish_reason,
+            finish_reason="tool_calls" if calls else completion.finish_reason,
             stop_reason=completion.stop_reason,
         )
         return ChatCompletionResponse(
             id=job.response_id, created=job.created, model=job.model, choices=[choice], usage=_usage(job, finals)
         )
+
+    def _tool_calls(self, body: ChatCompletionRequest, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """(content, calls) of a finished chat output, as its tool_choice reads it."""
+        mode = body.tool_mode
+        if mode == "none":
+            return text, []
+        if mode == "required":
+            return None, parse_required(text)
+        if mode == "named":
+            assert isinstance(body.tool_choice, NamedToolChoice)
+            return None, [ParsedToolCall(new_call_id(), body.tool_choice.function.name, text)]
+        return parse_auto(self.tool_call_parser, text, body.tool_names)
 
     async def chat_stream(self, job: Job, body: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
@@ -498,6 +539,9 @@ class OpenAIServing:
         continuous = body.continuous_usage
         role = ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
         yield chunk([role], _usage(job, {}) if continuous else None)
+        mode = body.tool_mode
+        auto = ToolCallStream(self.tool_call_parser, body.tool_names) if mode == "auto" else None
+        held = ""  # required and named: the call's text, sent as calls at the end
         finals: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(self._deltas(job)) as deltas:
             async for delta in deltas:
@@ -507,11 +551,38 @@ class OpenAIServing:
                 if delta.output.finished:
                     finals[delta.index] = delta.output
                 completion = delta.output.outputs[0]
+                text = delta.text
+                if mode in ("required", "named"):
+                    held, text = held + text, ""
+                elif auto is not None:
+                    text = auto.feed(text)
+                calls: list[ParsedToolCall] = []
+                if completion.finish_reason is not None and mode != "none":
+                    if auto is not None:
+                        rest, calls = auto.finish()
+                        text += rest
+                    else:
+                        _, calls = self._tool_calls(body, held)
+                delta_message = DeltaMessage(content=text) if text else DeltaMessage()
+                if calls:  # one delta per call, as the SDK's stream helpers read OpenAI's
+                    if text:
+                        yield chunk([ChatChunkChoice(index=delta.index, delta=delta_message)])
+                    delta_message = DeltaMessage(
+                        tool_calls=[
+                            DeltaToolCall(
+                                index=i,
+                                id=call.id,
+                                type="function",
+                                function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+                            )
+                            for i, call in enumerate(calls)
+                        ]
+                    )
                 choice = ChatChunkChoice(
                     index=delta.index,
-                    delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+                    delta=delta_message,
                     logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
+                    finish_reason="tool_calls" if calls else completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
                 yield chunk([choice], _usage(job, delta.sent) if continuous else None)
@@ -579,3 +650,7 @@ class OpenAIServing:
 
 
 __all__ = ["Job", "OpenAIServing"]
+
+
+def _tool_call(call: ParsedToolCall) -> ToolCall:
+    return ToolCall(id=call.id, type="function", function=FunctionCall(name=call.name, arguments=call.arguments))

@@ -139,3 +139,27 @@ def tiny_spec(max_position_embeddings: int = 256) -> RandomModelSpec:
         vocab_size=VOCAB,
         max_position_embeddings=max_position_embeddings,
     )
+
+
+# A Hermes-style (Qwen 2.5) chat template: tools listed in the system turn, calls written as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, tool results as <tool_response> user turns.
+HERMES_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    'Call a function as <tool_call>{"name": <name>, "arguments": <object>}</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "<|im_start|>assistant\n{{ message['content'] }}"
+    "{% for call in message['tool_calls'] %}"
+    '<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)

@@ -563,7 +563,7 @@ def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(platfor
     ("params", "param"),
     [
         ({"n": 2}, "n"),
-        ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+        ({"extra_body": {"tools": [{"type": "function", "function": {"name": "no spaces"}}]}}, "tools"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"logit_bias": {"-1": 5}}, "logit_bias"),
         ({"extra_body": {"response_format": {"type": "json_schema"}}}, "response_format"),
@@ -609,7 +609,7 @@ def test_refusals_say_what_is_wrong_in_openais_words(platform: Platform, owner: 
     cases = [
         ({"n": 3}, "n must be 1"),
         ({"extra_body": {"no_such_field": 1}}, "Unrecognized request argument supplied: no_such_field"),
-        ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tool calling is not offered"),
+        ({"extra_body": {"tool_choice": "sometimes"}}, "tool_choice"),
     ]
     for params, words in cases:
         with pytest.raises(openai.BadRequestError) as info:
@@ -650,6 +650,42 @@ def test_structured_outputs_through_an_adapters_endpoint(platform: Platform, own
         model=platform.base_model, prompt=PROMPT, max_tokens=8, extra_body={"guided_choice": ["page", "wait"]}
     )
     assert choice.choices[0].text in ("page", "wait")
+
+
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+def test_tool_calls_through_an_adapters_endpoint(platform: Platform, owner: Owner) -> None:
+    client = platform.client(owner.tenant.key)
+    required = client.chat.completions.create(
+        model=ENDPOINT, messages=MESSAGES, tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False,
+        temperature=1.0, seed=1, max_completion_tokens=120,
+    )  # fmt: skip
+    [call] = required.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert set(json.loads(call.function.arguments)) == {"city", "unit"}  # type: ignore[union-attr]
+    assert required.choices[0].finish_reason == "tool_calls"
+    # auto: the model's own <tool_call> text (held to one by a regex, as a random model writes none) is parsed.
+    regex = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,5}", "unit": "f"\}\}</tool_call>'
+    ask: dict[str, Any] = {"model": ENDPOINT, "messages": MESSAGES, "tools": [WEATHER_TOOL], "temperature": 0}
+    auto = client.chat.completions.create(**ask, max_completion_tokens=80, extra_body={"guided_regex": regex})
+    [parsed] = auto.choices[0].message.tool_calls or []
+    assert json.loads(parsed.function.arguments)["unit"] == "f"  # type: ignore[union-attr]
+    with client.chat.completions.stream(**ask, max_completion_tokens=80, extra_body={"guided_regex": regex}) as stream:
+        final = stream.get_final_completion()
+    [streamed] = final.choices[0].message.tool_calls or []
+    assert streamed.function.arguments == parsed.function.arguments  # type: ignore[union-attr]
+    assert final.choices[0].finish_reason == "tool_calls"
 
 
 def test_a_schema_the_engine_cannot_enforce_is_a_400_naming_the_keyword(platform: Platform, owner: Owner) -> None:

@@ -207,11 +207,22 @@ def _failed(error: dict[str, Any]) -> ApiError:
     return ApiError(502, str(error.get("message", "The engine failed the request.")), code=error.get("code"))
 
 
+def _add_call_delta(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+    """Fold one streamed tool-call delta into the call of its index."""
+    index = int(delta.get("index", 0))
+    function = delta.get("function") or {}
+    entry = calls.setdefault(index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+    entry["id"] = delta.get("id") or entry["id"]
+    entry["function"]["name"] += function.get("name") or ""
+    entry["function"]["arguments"] += function.get("arguments") or ""
+
+
 async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
     """A non-streamed answer, assembled from the engine's stream."""
     chat = isinstance(call.body, ChatCompletionRequest)
     text: list[str] = []
     logprobs: list[Any] = []
+    calls: dict[int, dict[str, Any]] = {}  # tool calls by index, their arguments joined as OpenAI's deltas add up
     finish: str | None = None
     try:
         async with contextlib.aclosing(relay(resources, call)) as events:
@@ -219,8 +230,11 @@ async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
                 if "error" in event:
                     raise _failed(event["error"])
                 for part in event.get("choices") or []:
-                    piece = (part.get("delta") or {}).get("content") if chat else part.get("text")
+                    delta = part.get("delta") or {}
+                    piece = delta.get("content") if chat else part.get("text")
                     text.append(piece or "")
+                    for tool_call in delta.get("tool_calls") or []:
+                        _add_call_delta(calls, tool_call)
                     if part.get("logprobs"):
                         logprobs.append(part["logprobs"])
                     finish = part.get("finish_reason") or finish
@@ -239,7 +253,11 @@ async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
         merged = {"content": [t for lp in logprobs for t in (lp.get("content") or [])]} if logprobs else None
         answer: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": "".join(text)},
+            "message": {
+                "role": "assistant",
+                "content": "".join(text) if text and (any(text) or not calls) else None,
+                "tool_calls": [calls[i] for i in sorted(calls)],
+            },
             "logprobs": merged,
             "finish_reason": finish,
         }

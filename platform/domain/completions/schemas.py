@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from loraplex.engine.serve import ChatMessage as EngineChatMessage
-from loraplex.engine.serve import completion_limit
+from loraplex.engine.serve import NamedToolChoice, ToolDefinition, completion_limit
 from loraplex.platform.schemas import Name, RequestBody
 
 MAX_STOP = 4
@@ -19,6 +19,7 @@ MAX_MESSAGES = 2048
 MAX_TOKENS = 1_000_000
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's bound on how many tokens one request may bias
 MAX_CHOICES = 128  # for guided_choice
+MAX_TOOLS = 128  # OpenAI's limit
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=1000)]
 TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # logit_bias keys: JSON keys are strings
@@ -129,17 +130,10 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
-    # Accepted only absent or empty: tool calling is not offered yet, and a chat template is the model's own.
-    tools: list[Any] | None = None
-    tool_choice: Literal["none"] | None = None
-    chat_template: None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tool calling is not offered yet: send no tools (response_format json_schema is)")
-        return value
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template: None = None  # accepted only absent: a chat template is the model's own
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:

@@ -132,6 +132,7 @@ def estimate_tokens(body: Request, max_model_len: int = 0) -> int:
     clearer context_length_exceeded."""
     if isinstance(body, ChatCompletionRequest):
         prompt_chars = sum(len(m.text()) for m in body.messages)
+        prompt_chars += sum(len(t.model_dump_json()) for t in body.tools or ())  # the template lists them
     else:
         prompt_chars = len(body.prompt) * 4 if isinstance(body.prompt, list) else len(body.prompt)
     estimate = prompt_chars // 4 + (body.limit or 256)

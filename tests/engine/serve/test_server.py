@@ -392,8 +392,8 @@ def test_invalid_temperature_names_the_field(server: Server) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
@@ -403,7 +403,8 @@ def test_invalid_temperature_names_the_field(server: Server) -> None:
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": 5}, "stop"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),  # a tool turn needs its tool_call_id
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
         ({"messages": []}, "messages"),
         ({"max_tokens": "many"}, "max_tokens"),
