@@ -192,17 +192,23 @@ class EngineCore:
         prompt: str | None = None,
         lora: AdapterRef | None = None,
         cache_salt: str | None = None,
+        prefill_after: str | None = None,
     ) -> Request:
         """Validate and queue a request; raises RequestError (ContextLengthExceeded) for bad input. A prompt a
         caller has checked already comes as the `CheckedPrompt` (and no `params`) and is not checked again. With
         `lora`, the request waits (not fails) while its adapter loads; a failed load finishes it with an error.
 
         `cache_salt` keeps the request's prefix-cache blocks apart from those of requests with another salt (the
-        platform gives each tenant its own); the adapter's digest does the same between adapters."""
+        platform gives each tenant its own); the adapter's digest does the same between adapters.
+
+        One request is one choice: an n-choice request is n of them (`SamplingParams.choice`), each after the first
+        with `prefill_after` naming the first, so the prompt is prefilled once and its blocks shared."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         checked = self.checked(prompt_token_ids, params)
         params = checked.params
+        if params.n != 1:
+            raise RequestError("a request is one choice: add n requests (SamplingParams.choice)", param="n")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -219,6 +225,7 @@ class EngineCore:
             grammar=GrammarState(checked.grammar, self.model_config.vocab_size)
             if checked.grammar is not None
             else None,
+            prefill_after=self.requests.get(prefill_after) if prefill_after is not None else None,
         )
         self.requests[request_id] = request
         self.outputs.add(request)

@@ -52,6 +52,14 @@ class Request:
     adapter: AdapterEntry | None = None  # None: the base model
     error: str | None = None  # why it finished with FINISHED_ERROR
     grammar: GrammarState | None = None  # its output grammar's matcher (advanced by the output processor)
+    # Another choice of the same prompt: this one starts once that one's prompt is prefilled, so that it takes the
+    # prompt's blocks from the prefix cache instead of computing them again (n > 1).
+    prefill_after: Request | None = None
+
+    @property
+    def is_prefilled(self) -> bool:
+        """Its prompt has K/V (or it finished, so nothing waits on it any more)."""
+        return self.status.is_finished or self.num_computed_tokens >= len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

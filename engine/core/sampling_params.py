@@ -12,6 +12,7 @@ string or a list, lists for the id and processor fields) while the attributes ha
 
 from __future__ import annotations
 
+import dataclasses
 import json as _json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 # It may modify the tensor in place and return it, or return a new one; it must not keep either argument.
 LogitsProcessor: TypeAlias = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
 
+MAX_N: Final = 128  # most choices per request (OpenAI's limit)
 MAX_LOGPROBS: Final = 20  # most top logprobs a request may ask for per token (OpenAI's top_logprobs limit)
 
 # Temperatures below this sample greedily: dividing logits by a tinier one overflows float32 (vLLM's rule too).
@@ -209,7 +211,7 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
 class SamplingParams:
     """How one request picks its tokens and when it stops. Defaults match vLLM's."""
 
-    n: int  # completions per request; only 1 is supported
+    n: int  # choices per request: the prompt is prefilled once and each choice samples on (see `choice`)
     presence_penalty: float  # OpenAI's: minus this from each token's logit once it has appeared in the output
     frequency_penalty: float  # OpenAI's: minus this times the number of times the token appeared in the output
     repetition_penalty: float  # vLLM's (and CTRL's): a token seen in prompt or output has its logit divided by
@@ -255,9 +257,7 @@ class SamplingParams:
         include_stop_str_in_output: bool = False,
         logits_processors: Sequence[LogitsProcessor] | None = None,
     ) -> None:
-        if not _is_int(n) or n != 1:
-            message = f"n must be 1 (one completion per request), got {n!r}"
-            raise RequestError(message, code="unsupported_value", param="n")
+        _int("n", n, low=1, high=MAX_N)
         if not _is_int(top_k) or top_k < -1:
             raise _invalid("top_k", f"top_k must be a positive integer, or 0 or -1 for no limit; got {top_k!r}")
         if max_tokens is not None:
@@ -301,6 +301,14 @@ class SamplingParams:
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+
+    def choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of an n-choice request: one choice each (n=1), and with a seed, each its
+        own seed stream (seed + index, as vLLM's parallel sampling does)."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"choice {index} of a request with n={self.n}")
+        seed = None if self.seed is None else (self.seed + index - _MIN_SEED) % (_MAX_SEED - _MIN_SEED + 1) + _MIN_SEED
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def has_penalties(self) -> bool:

@@ -99,14 +99,18 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Start waiting requests in arrival order while budget, sequence slots and pages last.
 
-        A request whose adapter is still loading is passed over, so resident adapters' requests go first and the
-        load never stalls the queue. A request held back by the adapter cap, or by the pool's room (for its blocks
+        A request whose adapter is still loading is passed over (so resident adapters' requests go first and the load
+        never stalls the queue), and so is one waiting for another choice of its prompt to be prefilled
+        (`Request.prefill_after`). A request held back by the adapter cap, or by the pool's room (for its blocks
         or its loaded adapter), stops admission instead: nothing that arrived later overtakes it, so it starts as
         soon as the requests already running drain (a bounded wait), never starved by newcomers of popular adapters.
         """
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
+            if request.prefill_after is not None and not request.prefill_after.is_prefilled:
+                i += 1  # another choice of its prompt prefills it now: start after it, on its cached blocks
+                continue
             digest = request.adapter_digest
             new_adapter = digest is not None and digest not in self._running_adapters
             if new_adapter and len(self._running_adapters) >= self.config.max_adapters_per_batch:

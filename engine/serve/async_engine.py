@@ -58,6 +58,7 @@ class _Add:
     sink: _Sink
     lora: AdapterRef | None
     cache_salt: str | None = None
+    prefill_after: str | None = None
 
 
 @dataclass(slots=True)
@@ -136,8 +137,11 @@ class AsyncEngine:
         add_special_tokens: bool = True,
         lora: AdapterRef | None = None,
         cache_salt: str | None = None,
+        prefill_after: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's output after every step that changes it; the last one has `finished` set.
+        `prefill_after`: the id of another choice of the same prompt, which this one waits for (see
+        `EngineCore.add_request`).
 
         Raises RequestError for an invalid request (before anything is yielded), RequestFailed if the engine
         finishes it with an error (its adapter could not be loaded), and EngineDeadError if the engine fails while
@@ -152,7 +156,7 @@ class AsyncEngine:
             prompt = self.core.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         checked = self.core.checked(prompt, sampling_params)
         sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, checked, text, sink, lora, cache_salt))
+        self._commands.put(_Add(request_id, checked, text, sink, lora, cache_salt, prefill_after))
         self._wakeup.set()
         finished = False
         try:
@@ -281,6 +285,7 @@ class AsyncEngine:
                     prompt=command.prompt,
                     lora=command.lora,
                     cache_salt=command.cache_salt,
+                    prefill_after=command.prefill_after,
                 )
             except Exception as exc:  # a request the checks on the loop let through (duplicate id): fail only it
                 command.sink.put(exc)

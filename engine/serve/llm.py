@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,18 +122,29 @@ class LLM:
         loras: list[AdapterRef | None],
     ) -> list[RequestOutput]:
         request_ids: list[str] = []
+        choices: list[list[str]] = []  # per prompt, its choices' request ids (n of them)
         try:
             for prompt, params, lora in zip(encoded, params_list, loras, strict=True):
-                request_id = str(next(self._ids))
-                self.engine.add_request(
-                    request_id, prompt.token_ids, params, prompt=prompt.text, lora=lora, cache_salt=prompt.cache_salt
-                )
-                request_ids.append(request_id)
+                leader = str(next(self._ids))
+                ids = [leader] + [f"{leader}.{j}" for j in range(1, params.n)]
+                for j, request_id in enumerate(ids):
+                    self.engine.add_request(
+                        request_id,
+                        prompt.token_ids,
+                        params.choice(j),
+                        prompt=prompt.text,
+                        lora=lora,
+                        cache_salt=prompt.cache_salt,
+                        prefill_after=leader if j else None,
+                    )
+                    request_ids.append(request_id)
+                choices.append(ids)
         except BaseException:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
             raise
-        return self._run(request_ids)
+        finished = self._run(request_ids)
+        return [_merged([finished[i] for i in ids]) for ids in choices]
 
     def _params_for(
         self, count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
@@ -164,7 +176,7 @@ class LLM:
             refs.append(resolved[key])
         return refs
 
-    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str]) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
         while wanted - finished.keys():
@@ -173,4 +185,15 @@ class LLM:
             for output in self.engine.step():
                 if output.finished and output.request_id in wanted:
                     finished[output.request_id] = output
-        return [finished[request_id] for request_id in request_ids]
+        return finished
+
+
+def _merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """The choices of one prompt as one output, as vLLM returns n > 1: the first choice's request, every choice's
+    completion (index j), and the cached tokens of the prompt once (the first choice's)."""
+    first = outputs[0]
+    if len(outputs) == 1:
+        return first
+    completions = [dataclasses.replace(out.outputs[0], index=j) for j, out in enumerate(outputs)]
+    error = next((out.error for out in outputs if out.error), None)
+    return dataclasses.replace(first, outputs=completions, error=error)

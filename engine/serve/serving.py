@@ -113,9 +113,26 @@ class Job:
     lora: AdapterRef | None  # None: the base model
     lora_param: str = "model"  # the request field that named the adapter, for errors about it
     cache_salt: str | None = None  # the request's prefix-cache salt
+    n: int = 1  # choices per prompt: choice i is choice i % n of prompt i // n
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, index: int) -> _Prompt:
+        return self.prompts[index // self.n]
 
     def request_id(self, index: int) -> str:
-        return self.response_id if len(self.prompts) == 1 else f"{self.response_id}-{index}"
+        return self.response_id if self.num_choices == 1 else f"{self.response_id}-{index}"
+
+    def checked(self, index: int) -> CheckedPrompt:
+        """Choice `index`'s engine request: its prompt, with that choice's parameters (its own seed stream)."""
+        checked = self.prompt_of(index).checked
+        return dataclasses.replace(checked, params=checked.params.choice(index % self.n))
+
+    def prefill_after(self, index: int) -> str | None:
+        """The request id of the first choice of `index`'s prompt, which prefills it for the others."""
+        return self.request_id(index - index % self.n) if index % self.n else None
 
 
 @dataclass(slots=True)
@@ -189,10 +206,11 @@ async def _unless_disconnected(request: Request[Any, Any, Any], work: Awaitable[
 def _usage(job: Job, outputs: Mapping[int, RequestOutput]) -> Usage:
     """Usage of the whole job as of one output per choice (the final ones, for the final usage); a choice with no
     output yet counts its prompt only."""
+    # Each prompt counts once, with its first choice's cached tokens: the other choices reuse the blocks it computed.
     return Usage.of(
         num_prompt_tokens=sum(len(p.token_ids) for p in job.prompts),
         num_completion_tokens=sum(len(out.outputs[0].token_ids) for out in outputs.values()),
-        num_cached_tokens=sum(out.num_cached_tokens for out in outputs.values()),
+        num_cached_tokens=sum(out.num_cached_tokens for index, out in outputs.items() if index % job.n == 0),
     )
 
 
@@ -304,6 +322,7 @@ class OpenAIServing:
             lora,
             lora_param,
             body.cache_salt,
+            params.n,
         )
         if body.unknown_fields:
             logger.warning("%s: ignoring unknown fields %s", job.response_id, ", ".join(body.unknown_fields))
@@ -355,13 +374,17 @@ class OpenAIServing:
     async def _generate(self, job: Job, index: int) -> AsyncGenerator[RequestOutput, None]:
         """One engine request's outputs; records its metrics and log line however it ends."""
         request_id = job.request_id(index)
-        prompt = job.prompts[index]
+        prompt = job.prompt_of(index)
         first_token_at: float | None = None
         last: RequestOutput | None = None
         failed = False
         try:
             outputs = self.engine.generate(
-                prompt.checked, request_id=request_id, lora=job.lora, cache_salt=job.cache_salt
+                job.checked(index),
+                request_id=request_id,
+                lora=job.lora,
+                cache_salt=job.cache_salt,
+                prefill_after=job.prefill_after(index),
             )
             # Closing the generator is what aborts the request.
             async with contextlib.aclosing(outputs):
@@ -384,10 +407,11 @@ class OpenAIServing:
                 finish_reason = last.outputs[0].finish_reason or "stop"
             else:
                 finish_reason = "error" if failed else "abort"
+            first = index % job.n == 0  # a prompt's tokens are counted with its first choice only, as billed
             record = RequestRecord(
                 finish_reason=finish_reason,
-                num_prompt_tokens=len(prompt.token_ids),
-                num_cached_tokens=last.num_cached_tokens if last is not None else 0,
+                num_prompt_tokens=len(prompt.token_ids) if first else 0,
+                num_cached_tokens=last.num_cached_tokens if last is not None and first else 0,
                 num_generated_tokens=len(last.outputs[0].token_ids) if last is not None else 0,
                 time_to_first_token_s=None if first_token_at is None else first_token_at - job.arrived,
                 latency_s=ended - job.arrived,
@@ -409,7 +433,7 @@ class OpenAIServing:
             )
 
     def _outputs(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        return _merge([self._generate(job, i) for i in range(len(job.prompts))])
+        return _merge([self._generate(job, i) for i in range(job.num_choices)])
 
     async def _finals(self, job: Job) -> dict[int, RequestOutput]:
         finals: dict[int, RequestOutput] = {}
@@ -421,8 +445,8 @@ class OpenAIServing:
     async def _deltas(self, job: Job) -> AsyncGenerator[_Delta, None]:
         """What each output adds to its choice; outputs that add no visible text (a held-back tail, a partial
         character) are folded into the next one, so no chunk is empty but the finishing one."""
-        num_chars = [0] * len(job.prompts)
-        num_tokens = [0] * len(job.prompts)
+        num_chars = [0] * job.num_choices
+        num_tokens = [0] * job.num_choices
         sent: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(self._outputs(job)) as outputs:
             async for index, output in outputs:
@@ -442,7 +466,8 @@ class OpenAIServing:
     async def complete(self, job: Job, body: CompletionRequest, request: Request[Any, Any, Any]) -> CompletionResponse:
         finals = await _unless_disconnected(request, self._finals(job))
         choices = []
-        for index, prompt in enumerate(job.prompts):
+        for index in range(job.num_choices):
+            prompt = job.prompt_of(index)
             completion = finals[index].outputs[0]
             logprobs = None
             if body.logprobs is not None and completion.logprobs is not None:
@@ -469,11 +494,10 @@ class OpenAIServing:
 
         continuous = body.continuous_usage
         if body.echo:
-            for index, prompt in enumerate(job.prompts):
-                yield chunk(
-                    [CompletionChoice(index=index, text=prompt.text or "")], _usage(job, {}) if continuous else None
-                )
-        text_offsets = [0] * len(job.prompts)
+            for index in range(job.num_choices):
+                text = job.prompt_of(index).text or ""
+                yield chunk([CompletionChoice(index=index, text=text)], _usage(job, {}) if continuous else None)
+        text_offsets = [0] * job.num_choices
         finals: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(self._deltas(job)) as deltas:
             async for delta in deltas:
@@ -502,20 +526,24 @@ class OpenAIServing:
         self, job: Job, body: ChatCompletionRequest, request: Request[Any, Any, Any]
     ) -> ChatCompletionResponse:
         finals = await _unless_disconnected(request, self._finals(job))
-        completion = finals[0].outputs[0]
-        logprobs = None
-        if body.logprobs and completion.logprobs is not None:
-            logprobs = ChoiceLogprobs.of(completion.token_ids, completion.logprobs, body.top_logprobs or 0)
-        content, calls = self._tool_calls(body, completion.text)
-        choice = ChatChoice(
-            index=0,
-            message=AssistantMessage(content=content, tool_calls=[_tool_call(c) for c in calls]),
-            logprobs=logprobs,
-            finish_reason="tool_calls" if calls else completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
+        choices: list[ChatChoice] = []
+        for index in range(job.num_choices):
+            completion = finals[index].outputs[0]
+            logprobs = None
+            if body.logprobs and completion.logprobs is not None:
+                logprobs = ChoiceLogprobs.of(completion.token_ids, completion.logprobs, body.top_logprobs or 0)
+            content, calls = self._tool_calls(body, completion.text)
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=AssistantMessage(content=content, tool_calls=[_tool_call(c) for c in calls]),
+                    logprobs=logprobs,
+                    finish_reason="tool_calls" if calls else completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+            )
         return ChatCompletionResponse(
-            id=job.response_id, created=job.created, model=job.model, choices=[choice], usage=_usage(job, finals)
+            id=job.response_id, created=job.created, model=job.model, choices=choices, usage=_usage(job, finals)
         )
 
     def _tool_calls(self, body: ChatCompletionRequest, text: str) -> tuple[str | None, list[ParsedToolCall]]:
@@ -537,11 +565,16 @@ class OpenAIServing:
             )
 
         continuous = body.continuous_usage
-        role = ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
-        yield chunk([role], _usage(job, {}) if continuous else None)
+        roles = [
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(job.num_choices)
+        ]
+        yield chunk(roles, _usage(job, {}) if continuous else None)
         mode = body.tool_mode
-        auto = ToolCallStream(self.tool_call_parser, body.tool_names) if mode == "auto" else None
-        held = ""  # required and named: the call's text, sent as calls at the end
+        streams = [
+            ToolCallStream(self.tool_call_parser, body.tool_names) if mode == "auto" else None
+            for _ in range(job.num_choices)
+        ]
+        held = [""] * job.num_choices  # required and named: each choice's call text, sent as calls at the end
         finals: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(self._deltas(job)) as deltas:
             async for delta in deltas:
@@ -552,8 +585,9 @@ class OpenAIServing:
                     finals[delta.index] = delta.output
                 completion = delta.output.outputs[0]
                 text = delta.text
+                auto = streams[delta.index]
                 if mode in ("required", "named"):
-                    held, text = held + text, ""
+                    held[delta.index], text = held[delta.index] + text, ""
                 elif auto is not None:
                     text = auto.feed(text)
                 calls: list[ParsedToolCall] = []
@@ -562,7 +596,7 @@ class OpenAIServing:
                         rest, calls = auto.finish()
                         text += rest
                     else:
-                        _, calls = self._tool_calls(body, held)
+                        _, calls = self._tool_calls(body, held[delta.index])
                 delta_message = DeltaMessage(content=text) if text else DeltaMessage()
                 if calls:  # one delta per call, as the SDK's stream helpers read OpenAI's
                     if text:

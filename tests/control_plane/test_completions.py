@@ -562,7 +562,7 @@ def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(platfor
 @pytest.mark.parametrize(
     ("params", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 129}, "n"),
         ({"extra_body": {"tools": [{"type": "function", "function": {"name": "no spaces"}}]}}, "tools"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"logit_bias": {"-1": 5}}, "logit_bias"),
@@ -607,7 +607,7 @@ def test_requests_the_platform_does_not_offer_are_400(
 def test_refusals_say_what_is_wrong_in_openais_words(platform: Platform, owner: Owner) -> None:
     client = platform.client(owner.tenant.key)
     cases = [
-        ({"n": 3}, "n must be 1"),
+        ({"n": 0}, "greater than or equal to 1"),
         ({"extra_body": {"no_such_field": 1}}, "Unrecognized request argument supplied: no_such_field"),
         ({"extra_body": {"tool_choice": "sometimes"}}, "tool_choice"),
     ]
@@ -880,10 +880,20 @@ def test_usage_has_one_row_per_request_with_the_tokens_the_responses_reported(
         )
     )
     note(pieces[-1].id, "usage-bot", pieces[-1].usage, pieces[-2].choices[0].finish_reason)
-    assert len(expected) == 4  # four distinct request ids
+    # Three choices: the prompt billed once, every choice's tokens.
+    three = client.chat.completions.create(
+        model="usage-bot", messages=MESSAGES, n=3, max_completion_tokens=4, temperature=1.0, seed=2,
+        extra_body={"min_tokens": 4},
+    )  # fmt: skip
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.usage is not None and chat.usage is not None
+    assert three.usage.prompt_tokens == chat.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * 4
+    note(three.id, "usage-bot", three.usage, three.choices[0].finish_reason)
+    assert len(expected) == 5  # five distinct request ids
 
-    rows = wait_for(lambda: found if len(found := platform.usage_rows(tenant)) >= 4 else None)
-    assert len(rows) == 4
+    rows = wait_for(lambda: found if len(found := platform.usage_rows(tenant)) >= 5 else None)
+    assert len(rows) == 5
     got = {
         r["request_id"]: (r["model"], r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"], r["status"])
         for r in rows
@@ -893,7 +903,7 @@ def test_usage_has_one_row_per_request_with_the_tokens_the_responses_reported(
         assert row["started_at"] <= row["finished_at"]
     totals = platform.get(tenant, "/v1/usage").json()["totals"]
     assert totals == {
-        "requests": 4,
+        "requests": 5,
         "prompt_tokens": sum(e[1] for e in expected.values()),
         "cached_tokens": sum(e[2] for e in expected.values()),
         "completion_tokens": sum(e[3] for e in expected.values()),

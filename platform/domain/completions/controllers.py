@@ -8,6 +8,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, Coroutine
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from litestar import Controller, Response, get, post
@@ -217,27 +218,35 @@ def _add_call_delta(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> 
     entry["function"]["arguments"] += function.get("arguments") or ""
 
 
-async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
-    """A non-streamed answer, assembled from the engine's stream."""
-    chat = isinstance(call.body, ChatCompletionRequest)
-    text: list[str] = []
-    logprobs: list[Any] = []
-    calls: dict[int, dict[str, Any]] = {}  # tool calls by index, their arguments joined as OpenAI's deltas add up
+@dataclass(slots=True)
+class _Choice:
+    """One choice of a non-streamed answer, as its streamed parts add up."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool calls by index, arguments joined
     finish: str | None = None
+
+
+async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
+    """A non-streamed answer, assembled from the engine's stream (one choice per index, n of them)."""
+    chat = isinstance(call.body, ChatCompletionRequest)
+    choices: dict[int, _Choice] = {}
     try:
         async with contextlib.aclosing(relay(resources, call)) as events:
             async for event in events:
                 if "error" in event:
                     raise _failed(event["error"])
                 for part in event.get("choices") or []:
+                    choice = choices.setdefault(int(part.get("index", 0)), _Choice())
                     delta = part.get("delta") or {}
                     piece = delta.get("content") if chat else part.get("text")
-                    text.append(piece or "")
+                    choice.text.append(piece or "")
                     for tool_call in delta.get("tool_calls") or []:
-                        _add_call_delta(calls, tool_call)
+                        _add_call_delta(choice.calls, tool_call)
                     if part.get("logprobs"):
-                        logprobs.append(part["logprobs"])
-                    finish = part.get("finish_reason") or finish
+                        choice.logprobs.append(part["logprobs"])
+                    choice.finish = part.get("finish_reason") or choice.finish
     except (EngineRequestError, EngineUnavailable) as exc:
         call.tally.status = "error"
         raise engine_error(exc) from None
@@ -249,38 +258,48 @@ async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": tally.cached_tokens},
     }
     created = int(time.time())
+    ordered = [(index, choices[index]) for index in sorted(choices)]
     if chat:
-        merged = {"content": [t for lp in logprobs for t in (lp.get("content") or [])]} if logprobs else None
-        answer: dict[str, Any] = {
-            "index": 0,
-            "message": {
+        answers = []
+        for index, choice in ordered:
+            text, calls, logprobs = choice.text, choice.calls, choice.logprobs
+            merged = {"content": [t for lp in logprobs for t in (lp.get("content") or [])]} if logprobs else None
+            message = {
                 "role": "assistant",
                 "content": "".join(text) if text and (any(text) or not calls) else None,
                 "tool_calls": [calls[i] for i in sorted(calls)],
-            },
-            "logprobs": merged,
-            "finish_reason": finish,
-        }
+            }
+            answers.append({"index": index, "message": message, "logprobs": merged, "finish_reason": choice.finish})
         return {
             "id": call.request_id,
             "object": "chat.completion",
             "created": created,
             "model": call.target.model,
-            "choices": [answer],
+            "choices": answers,
             "usage": usage,
         }
-    completion_logprobs = None
-    if logprobs:
-        completion_logprobs = {
-            key: [v for lp in logprobs for v in lp.get(key, [])]
-            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-        }
+    texts = []
+    for index, choice in ordered:
+        completion_logprobs = None
+        if choice.logprobs:
+            completion_logprobs = {
+                key: [v for lp in choice.logprobs for v in lp.get(key, [])]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+            }
+        texts.append(
+            {
+                "index": index,
+                "text": "".join(choice.text),
+                "logprobs": completion_logprobs,
+                "finish_reason": choice.finish,
+            }
+        )
     return {
         "id": call.request_id,
         "object": "text_completion",
         "created": created,
         "model": call.target.model,
-        "choices": [{"index": 0, "text": "".join(text), "logprobs": completion_logprobs, "finish_reason": finish}],
+        "choices": texts,
         "usage": usage,
     }
 

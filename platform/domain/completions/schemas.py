@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import ConfigDict, Field, StringConstraints, model_validator
 
 from loraplex.engine.serve import ChatMessage as EngineChatMessage
 from loraplex.engine.serve import NamedToolChoice, ToolDefinition, completion_limit
@@ -20,6 +20,7 @@ MAX_TOKENS = 1_000_000
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's bound on how many tokens one request may bias
 MAX_CHOICES = 128  # for guided_choice
 MAX_TOOLS = 128  # OpenAI's limit
+MAX_N = 128  # OpenAI's limit on choices
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=1000)]
 TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # logit_bias keys: JSON keys are strings
@@ -85,7 +86,7 @@ class _Common(RequestBody):
     model: Name
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1  # choices; the prompt is billed once (the engine prefills it once)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
@@ -110,13 +111,6 @@ class _Common(RequestBody):
     metadata: (
         Annotated[dict[Identifier, Annotated[str, StringConstraints(max_length=512)]], Field(max_length=16)] | None
     ) = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("n must be 1: one choice per request is offered for now")
-        return value
 
     @property
     def include_usage(self) -> bool:

@@ -135,7 +135,7 @@ def estimate_tokens(body: Request, max_model_len: int = 0) -> int:
         prompt_chars += sum(len(t.model_dump_json()) for t in body.tools or ())  # the template lists them
     else:
         prompt_chars = len(body.prompt) * 4 if isinstance(body.prompt, list) else len(body.prompt)
-    estimate = prompt_chars // 4 + (body.limit or 256)
+    estimate = prompt_chars // 4 + (body.limit or 256) * body.n  # every choice may run to the limit
     return min(estimate, max_model_len) if max_model_len > 0 else estimate
 
 

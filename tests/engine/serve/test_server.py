@@ -356,12 +356,33 @@ def test_developer_role_and_unknown_fields_are_accepted(server: Server) -> None:
 # --- errors ------------------------------------------------------------------------------------------------------
 
 
-def test_n_other_than_1_is_refused(server: Server) -> None:
+def test_n_choices_streamed_or_not_count_the_prompt_once(server: Server) -> None:
+    client = server.client()
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, max_tokens=6, seed=4, extra_body=NO_EOS)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert len({c.message.content for c in chat.choices}) > 1  # each choice its own seed stream
+    single = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, seed=4, extra_body=NO_EOS)
+    assert chat.usage is not None and single.usage is not None
+    assert chat.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt once
+    assert chat.usage.completion_tokens == 3 * 6  # every choice's tokens
+    assert chat.choices[0].message.content == single.choices[0].message.content  # choice 0 is seed 4 itself
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=3, max_tokens=6, seed=4, stream=True, stream_options={"include_usage": True},
+        extra_body=NO_EOS,
+    )  # fmt: skip
+    texts = ["", "", ""]
+    usage = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+        usage = chunk.usage or usage
+    assert texts == [c.message.content for c in chat.choices]
+    assert usage is not None and usage.completion_tokens == 18 and usage.prompt_tokens == chat.usage.prompt_tokens
+    completions = client.completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=3, extra_body=NO_EOS)
+    assert [c.index for c in completions.choices] == [0, 1, 2, 3]
     with pytest.raises(openai.BadRequestError) as info:
-        server.client().chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=2)
-    error = _error(info.value)
-    assert error["param"] == "n"
-    assert error["type"] == "invalid_request_error"
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=0, max_tokens=2)
+    assert _error(info.value)["param"] == "n"
 
 
 def test_unknown_model_is_404_model_not_found(server: Server) -> None:
