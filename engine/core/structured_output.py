@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from loraplex.engine.model.tokenizer import Tokenizer
 
 DEFAULT_CACHE_ENTRIES: Final = 256
+MAX_SCHEMA_DEPTH: Final = 64  # nesting levels of subschemas: deeper is refused before it reaches xgrammar's recursion
 
 # Schema keywords xgrammar enforces (checked by sampling at temperature 1 and validating, tests/engine/core/
 # test_structured_output.py). Anything else that constrains is refused by name rather than silently dropped.
@@ -71,7 +72,9 @@ def check_schema(schema: Any, param: str) -> None:
             param=param,
         )
 
-    def walk(node: Any, where: str) -> None:
+    def walk(node: Any, where: str, depth: int = 0) -> None:
+        if depth > MAX_SCHEMA_DEPTH:
+            raise RequestError(f"{param}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param=param)
         if isinstance(node, bool):
             return
         if not isinstance(node, Mapping):
@@ -80,7 +83,7 @@ def check_schema(schema: Any, param: str) -> None:
             if keyword not in _ENFORCED and keyword not in _ANNOTATIONS:
                 raise refuse(str(keyword)[:64], where)
         if "format" in node:
-            if node["format"] not in _FORMATS:
+            if not isinstance(node["format"], str) or node["format"] not in _FORMATS:
                 raise refuse("format", where, f"whose value {str(node['format'])[:64]!r} is not a supported format")
             if "minLength" in node or "maxLength" in node:
                 raise refuse("maxLength" if "maxLength" in node else "minLength", where, "together with 'format'")
@@ -90,15 +93,15 @@ def check_schema(schema: Any, param: str) -> None:
             children = node.get(keyword)
             if isinstance(children, Mapping):
                 for name, child in children.items():
-                    walk(child, f"{where}/{keyword}/{name}")
+                    walk(child, f"{where}/{keyword}/{name}", depth + 1)
         for keyword in _SCHEMA_LISTS:
             children = node.get(keyword)
             if isinstance(children, list):
                 for i, child in enumerate(children):
-                    walk(child, f"{where}/{keyword}/{i}")
+                    walk(child, f"{where}/{keyword}/{i}", depth + 1)
         for keyword in _SCHEMAS:
             if keyword in node:
-                walk(node[keyword], f"{where}/{keyword}")
+                walk(node[keyword], f"{where}/{keyword}", depth + 1)
 
     walk(schema, "#")
 
@@ -183,7 +186,7 @@ def _compile(compiler: xgrammar.GrammarCompiler, params: StructuredOutputsParams
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(params.spec))
             return compiler.compile_grammar(f"root ::= {alternatives}")
         return compiler.compile_grammar(params.spec)
-    except (RuntimeError, ValueError) as exc:  # xgrammar reports a bad spec as either
+    except Exception as exc:  # xgrammar reports a bad spec as RuntimeError or ValueError; any error here is the spec's
         message = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
         raise RequestError(
             f"{params.param}: the {params.kind} cannot be compiled: {message}", param=params.param

@@ -110,7 +110,7 @@ class TestAcceptedValues:
 
 
 INVALID: list[tuple[str, Any]] = [
-    ("n", 2),
+    ("n", 129),
     ("n", 0),
     ("n", True),
     ("n", 1.0),
@@ -179,10 +179,17 @@ class TestInvalidValues:
             SamplingParams(min_tokens=9, max_tokens=8)
         assert info.value.param == "min_tokens"
 
-    def test_unsupported_n_has_its_own_code(self) -> None:
-        with pytest.raises(RequestError) as info:
-            SamplingParams(n=3)
-        assert info.value.code == "unsupported_value"
+    def test_n_choices_each_get_their_own_seed_stream(self) -> None:
+        params = SamplingParams(n=3, seed=10, temperature=0.5)
+        assert [(c.n, c.seed, c.temperature) for c in map(params.choice, range(3))] == [
+            (1, 10, 0.5),
+            (1, 11, 0.5),
+            (1, 12, 0.5),
+        ]
+        assert SamplingParams(n=2).choice(1).seed is None
+        assert SamplingParams(n=2, seed=2**64 - 1).choice(1).seed == -(2**63)  # wraps within the accepted range
+        with pytest.raises(ValueError, match="choice 3"):
+            params.choice(3)
 
     def test_request_error_is_a_value_error_and_an_engine_error(self) -> None:
         with pytest.raises(ValueError, match="top_p"):

@@ -137,6 +137,7 @@ def test_json_object_choice_and_regex(llm: LLM) -> None:
         ({"type": "string", "format": "credit-card"}, "format"),
         ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf"),
         ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+        ({"type": "string", "format": ["email"]}, "format"),
     ],
 )
 def test_keywords_it_cannot_enforce_are_refused_by_name(llm: LLM, schema: dict[str, Any], keyword: str) -> None:
@@ -160,6 +161,14 @@ def test_specs_that_do_not_compile_are_request_errors(llm: LLM, spec: Structured
         llm.engine.check_request([1, 2], SamplingParams(structured_outputs=spec))
     assert caught.value.param == "structured_outputs"
     assert "cannot be compiled" in str(caught.value)
+
+
+def test_a_schema_nested_too_deep_is_refused_before_it_is_compiled(llm: LLM) -> None:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(200):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(RequestError, match="nests deeper"):
+        llm.engine.check_request([1], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
 
 
 def test_specs_need_exactly_one_form() -> None:

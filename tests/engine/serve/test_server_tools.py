@@ -108,29 +108,21 @@ def test_no_parallel_calls_means_one(url: str) -> None:
 
 
 def test_a_named_function_is_called_with_valid_arguments(url: str) -> None:
-    choice = {"type": "function", "function": {"name": "get_time"}}
+    ask: dict[str, Any] = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "temperature": 1.0,
+        "seed": 3,
+        "max_tokens": 50,
+    }
     for stream in (False, True):
         if stream:
-            with client(url).chat.completions.stream(
-                model=MODEL,
-                messages=MESSAGES,
-                tools=TOOLS,
-                tool_choice=choice,
-                temperature=1.0,
-                seed=3,
-                max_tokens=50,  # type: ignore[arg-type]
-            ) as events:
+            with client(url).chat.completions.stream(**ask) as events:
                 chat: Any = events.get_final_completion()
         else:
-            chat = client(url).chat.completions.create(
-                model=MODEL,
-                messages=MESSAGES,
-                tools=TOOLS,
-                tool_choice=choice,
-                temperature=1.0,
-                seed=3,
-                max_tokens=50,  # type: ignore[arg-type]
-            )
+            chat = client(url).chat.completions.create(**ask)
         [call] = chat.choices[0].message.tool_calls
         assert call.function.name == "get_time"
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_time"])
