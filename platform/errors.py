@@ -144,7 +144,7 @@ def _validation_details(exc: ValidationException) -> tuple[str, str | None, list
     param = first.get("key") or None
     message = str(first.get("message", "invalid value"))
     if message == "Extra inputs are not permitted" and param:  # pydantic's words for an unknown field; OpenAI's:
-        text = f"Unrecognized request argument supplied: {param}"
+        text = f"Unrecognized request argument supplied: {param} (the fields this API takes: /schema)"
     else:
         text = f"Invalid value for '{param}': {message}" if param else message
     if len(errors) > 1:

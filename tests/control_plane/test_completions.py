@@ -609,6 +609,7 @@ def test_refusals_say_what_is_wrong_in_openais_words(platform: Platform, owner: 
     cases = [
         ({"n": 0}, "greater than or equal to 1"),
         ({"extra_body": {"no_such_field": 1}}, "Unrecognized request argument supplied: no_such_field"),
+        ({"extra_body": {"chat_template": "{{ x }}"}}, "the model's own template is used"),
         ({"extra_body": {"tool_choice": "sometimes"}}, "tool_choice"),
     ]
     for params, words in cases:

@@ -6,9 +6,10 @@ every list and number to a bound so one request cannot ask for unbounded work.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 
 from loraplex.engine.serve import ChatMessage as EngineChatMessage
 from loraplex.engine.serve import NamedToolChoice, ToolDefinition, completion_limit
@@ -42,6 +43,18 @@ class ChatMessage(EngineChatMessage):
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+
+
+def _refuse(field_name: str, why: str, *, allow: tuple[Any, ...] = (None,)) -> Any:
+    """A validator for a field accepted only at its default: anything else is refused saying why, and what is."""
+
+    def check(value: Any) -> Any:
+        if not any(value is default for default in allow):  # None and False are singletons
+            defaults = " or ".join(json.dumps(a) for a in allow)
+            raise ValueError(f"{why}: send {field_name} as {defaults} or leave it out")
+        return value
+
+    return check
 
 
 class JsonSchemaFormat(RequestBody):
@@ -127,7 +140,7 @@ class ChatCompletionRequest(_Common):
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    chat_template: None = None  # accepted only absent: a chat template is the model's own
+    chat_template: Annotated[None, BeforeValidator(_refuse("chat_template", "the model's own template is used"))] = None
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
@@ -144,8 +157,8 @@ class CompletionRequest(_Common):
     prompt: Annotated[str, StringConstraints(min_length=1)] | Annotated[list[int], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    echo: Literal[False] = False
-    suffix: None = None
+    echo: Annotated[bool, BeforeValidator(_refuse("echo", "echo is not offered", allow=(False,)))] = False
+    suffix: Annotated[None, BeforeValidator(_refuse("suffix", "insertion (suffix) is not offered"))] = None
 
     @property
     def limit(self) -> int | None:
