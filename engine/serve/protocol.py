@@ -655,12 +655,20 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class DeltaFunctionCall(BaseModel):
+class _WithoutNulls(BaseModel):
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI's deltas carry only what changed: a call's id, type and name in its first delta, not after.
+        data: dict[str, Any] = handler(self)
+        return {key: value for key, value in data.items() if value is not None}
+
+
+class DeltaFunctionCall(_WithoutNulls):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_WithoutNulls):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None

@@ -574,7 +574,8 @@ class OpenAIServing:
             ToolCallStream(self.tool_call_parser, body.tool_names) if mode == "auto" else None
             for _ in range(job.num_choices)
         ]
-        held = [""] * job.num_choices  # required and named: each choice's call text, sent as calls at the end
+        held = [""] * job.num_choices  # required: each choice's calls as text, sent as calls at the end
+        named_started = [False] * job.num_choices  # named: the call's id and name went out
         finals: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(self._deltas(job)) as deltas:
             async for delta in deltas:
@@ -586,7 +587,34 @@ class OpenAIServing:
                 completion = delta.output.outputs[0]
                 text = delta.text
                 auto = streams[delta.index]
-                if mode in ("required", "named"):
+                finishing = "tool_calls" if mode != "none" and completion.finish_reason is not None else None
+                if mode == "named":
+                    # The text is the arguments: they stream as OpenAI streams them, the call's id and name first.
+                    assert isinstance(body.tool_choice, NamedToolChoice)
+                    first = not named_started[delta.index]
+                    named_started[delta.index] = True
+                    piece = DeltaToolCall(
+                        index=0,
+                        id=new_call_id() if first else None,
+                        type="function" if first else None,
+                        function=DeltaFunctionCall(
+                            name=body.tool_choice.function.name if first else None, arguments=text
+                        ),
+                    )
+                    yield chunk(
+                        [
+                            ChatChunkChoice(
+                                index=delta.index,
+                                delta=DeltaMessage(tool_calls=[piece]),
+                                logprobs=logprobs,
+                                finish_reason=finishing or completion.finish_reason,
+                                stop_reason=completion.stop_reason,
+                            )
+                        ],
+                        _usage(job, delta.sent) if continuous else None,
+                    )
+                    continue
+                if mode == "required":
                     held[delta.index], text = held[delta.index] + text, ""
                 elif auto is not None:
                     text = auto.feed(text)

@@ -124,9 +124,30 @@ def test_a_named_function_is_called_with_valid_arguments(url: str) -> None:
         else:
             chat = client(url).chat.completions.create(**ask)
         [call] = chat.choices[0].message.tool_calls
+        assert call.id.startswith("call_")
         assert call.function.name == "get_time"
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_time"])
         assert chat.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_named_functions_arguments_stream_as_openais_deltas(url: str) -> None:
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "stream": True,
+        "max_tokens": 50,
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    pieces = [c["delta"]["tool_calls"][0] for e in events for c in e["choices"] if "tool_calls" in c["delta"]]
+    assert len(pieces) > 1
+    first, *rest = pieces
+    assert first["id"].startswith("call_") and first["function"]["name"] == "get_time"
+    assert all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"} for p in rest)
+    jsonschema.validate(json.loads("".join(p["function"]["arguments"] for p in pieces)), SCHEMAS["get_time"])
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_auto_parses_the_models_tool_call_streamed_or_not(url: str) -> None:
