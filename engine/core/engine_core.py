@@ -193,6 +193,9 @@ class EngineCore:
         lora: AdapterRef | None = None,
         cache_salt: str | None = None,
         prefill_after: str | None = None,
+        fairness_key: str = "",
+        fairness_weight: float = 1.0,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue a request; raises RequestError (ContextLengthExceeded) for bad input. A prompt a
         caller has checked already comes as the `CheckedPrompt` (and no `params`) and is not checked again. With
@@ -200,6 +203,9 @@ class EngineCore:
 
         `cache_salt` keeps the request's prefix-cache blocks apart from those of requests with another salt (the
         platform gives each tenant its own); the adapter's digest does the same between adapters.
+
+        `fairness_key` and `fairness_weight` share the engine fairly between keys (the platform's tenants), `priority`
+        orders admission before that (lower first): see the scheduler.
 
         One request is one choice: an n-choice request is n of them (`SamplingParams.choice`), each after the first
         with `prefill_after` naming the first, so the prompt is prefilled once and its blocks shared."""
@@ -209,6 +215,12 @@ class EngineCore:
         params = checked.params
         if params.n != 1:
             raise RequestError("a request is one choice: add n requests (SamplingParams.choice)", param="n")
+        if not (isinstance(fairness_weight, int | float) and 0 < fairness_weight < float("inf")):
+            raise RequestError(
+                f"fairness_weight must be a positive number, got {fairness_weight!r}", param="fairness_weight"
+            )
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError(f"priority must be an integer, got {priority!r}", param="priority")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -226,6 +238,9 @@ class EngineCore:
             if checked.grammar is not None
             else None,
             prefill_after=self.requests.get(prefill_after) if prefill_after is not None else None,
+            fairness_key=fairness_key,
+            fairness_weight=float(fairness_weight),
+            priority=priority,
         )
         self.requests[request_id] = request
         self.outputs.add(request)

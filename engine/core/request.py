@@ -55,6 +55,11 @@ class Request:
     # Another choice of the same prompt: this one starts once that one's prompt is prefilled, so that it takes the
     # prompt's blocks from the prefix cache instead of computing them again (n > 1).
     prefill_after: Request | None = None
+    # Fair share (the scheduler's VTC): whose request it is, and that key's weight; and how urgent it is (vLLM's
+    # priority: lower first).
+    fairness_key: str = ""
+    fairness_weight: float = 1.0
+    priority: int = 0
 
     @property
     def is_prefilled(self) -> bool:

@@ -2,9 +2,17 @@
 
 Every step has a token budget. Running requests go first, in arrival order: a decode takes one token, a prompt
 still being prefilled takes the next chunk. Waiting requests then start while budget, sequence slots and pages
-last. When a running request cannot get the pages it needs, the most recently started running request is
-preempted: its pages are freed and it waits again at the front of the queue, to be recomputed from its prompt
-and the tokens it already produced (so its output does not change).
+last, in this order: priority (lower first, vLLM's convention), then the fairness key with the least service so
+far, then arrival. When a running request cannot get the pages it needs, one not yet scheduled this step is
+preempted, the least urgent, then of the most-served key, then the most recently started: its pages are freed and
+it waits again at the front of the queue, to be recomputed from its prompt and the tokens it already produced (so
+its output does not change).
+
+Service is S-LoRA's Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024),
+weighted: each key's counter grows by `input_token_weight` per prompt token computed and `output_token_weight` per
+token generated, divided by the key's weight, charged when the step is scheduled. A key that has no request waiting
+or running earns nothing while idle: when it comes back its counter is lifted to the lowest counter among the keys
+with requests. With one key (every request's is "" unless a caller sets one) the order is first come, first served.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ class SchedulerConfig:
     watermark_pages: int = 0
     # Distinct adapters among running requests (so in any step); base-model requests do not count.
     max_adapters_per_batch: int = 32
+    # VTC's cost of a prompt token and of a generated token (the paper's 1 and 2).
+    input_token_weight: float = 1.0
+    output_token_weight: float = 2.0
 
 
 @dataclass(slots=True)
@@ -59,11 +70,33 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._running_adapters: dict[str, int] = {}  # digest -> running requests with it
+        self.service: dict[str, float] = {}  # the VTC counter of each fairness key seen
+        self._num_active: dict[str, int] = {}  # fairness key -> its requests waiting or running
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.memory.queued(request)
         self.waiting.append(request)
+        key = request.fairness_key
+        if not self._num_active.get(key):  # back from idle (or new): no credit for the time away
+            active = [self.service[k] for k, n in self._num_active.items() if n and k != key]
+            self.service[key] = max(self.service.get(key, 0.0), min(active, default=0.0))
+        self._num_active[key] = self._num_active.get(key, 0) + 1
+
+    def _charge(self, scheduled: ScheduledRequest) -> None:
+        """Add a scheduled chunk's cost to its key's counter: its prompt tokens, and the token it will sample."""
+        request = scheduled.request
+        start = request.num_computed_tokens
+        prompt_tokens = max(0, min(start + scheduled.num_new_tokens, request.num_prompt_tokens) - start)
+        cost = prompt_tokens * self.config.input_token_weight
+        if scheduled.completes_prompt:
+            cost += self.config.output_token_weight
+        key = request.fairness_key
+        self.service[key] = self.service.get(key, 0.0) + cost / request.fairness_weight
+
+    def _urgency(self, request: Request) -> tuple[int, float]:
+        """Lower goes first: priority, then the key's service so far."""
+        return request.priority, self.service.get(request.fairness_key, 0.0)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -77,14 +110,17 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.memory.can_grow(request, num_new):
-                victim = self.running.pop()
+                victim = self._victim(i)
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
                 self.memory.grow(request, num_new)
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                scheduled = ScheduledRequest(request, num_new)
+                self._charge(scheduled)
+                out.scheduled.append(scheduled)
                 budget -= num_new
                 i += 1
                 continue
@@ -96,6 +132,13 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
+    def _victim(self, first: int) -> Request:
+        """The request to preempt among running[first:] (those not scheduled yet this step): the least urgent, of
+        the most-served key, the most recently started."""
+        candidates = range(first, len(self.running))
+        index = max(candidates, key=lambda j: (*self._urgency(self.running[j]), j))
+        return self.running[index]
+
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Start waiting requests in arrival order while budget, sequence slots and pages last.
 
@@ -105,11 +148,13 @@ class Scheduler:
         or its loaded adapter), stops admission instead: nothing that arrived later overtakes it, so it starts as
         soon as the requests already running drain (a bounded wait), never starved by newcomers of popular adapters.
         """
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[i]
+        passed_over: set[int] = set()  # ids of requests that cannot start this step but do not block the others
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._next_waiting(passed_over)
+            if request is None:
+                break
             if request.prefill_after is not None and not request.prefill_after.is_prefilled:
-                i += 1  # another choice of its prompt prefills it now: start after it, on its cached blocks
+                passed_over.add(id(request))  # another choice of its prompt prefills it now: start after it
                 continue
             digest = request.adapter_digest
             new_adapter = digest is not None and digest not in self._running_adapters
@@ -117,11 +162,11 @@ class Scheduler:
                 break
             admission = self.memory.admit(request, budget, reserve=self.config.watermark_pages)
             if admission is Refusal.ADAPTER_NOT_READY:
-                i += 1  # still loading (or failed: the engine finishes it): look further
+                passed_over.add(id(request))  # still loading (or failed: the engine finishes it): look further
                 continue
             if admission is Refusal.NO_ROOM:
                 break
-            del self.waiting[i]
+            self.waiting.remove(request)
             request.num_computed_tokens = admission.num_cached_tokens
             if request.num_preemptions == 0:
                 request.num_cached_tokens = min(admission.num_cached_tokens, request.num_prompt_tokens)
@@ -130,9 +175,25 @@ class Scheduler:
             self.running.append(request)
             if digest is not None:
                 self._running_adapters[digest] = self._running_adapters.get(digest, 0) + 1
-            out.scheduled.append(ScheduledRequest(request, admission.num_new_tokens))
+            scheduled = ScheduledRequest(request, admission.num_new_tokens)
+            out.scheduled.append(scheduled)
             budget -= admission.num_new_tokens
+            # Charged now, before the counter is next read: the next pick this step already sees it. (The chunk's
+            # computed count is still the admitted one, cached tokens included, so only new tokens cost.)
+            self._charge(scheduled)
         return budget
+
+    def _next_waiting(self, passed_over: set[int]) -> Request | None:
+        """The waiting request to try next: lowest (priority, key's service), then the one nearest the front."""
+        best: Request | None = None
+        best_rank: tuple[int, float] | None = None
+        for request in self.waiting:
+            if id(request) in passed_over:
+                continue
+            rank = self._urgency(request)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = request, rank
+        return best
 
     def update_from_output(self, out: SchedulerOutput) -> None:
         """After the step ran: each scheduled request's new tokens have K/V, and its newly full blocks go to the
@@ -171,3 +232,7 @@ class Scheduler:
                 self.waiting.remove(request)
         self.memory.finished(request)
         request.status = status
+        key = request.fairness_key
+        self._num_active[key] -= 1
+        if not self._num_active[key]:
+            del self._num_active[key]

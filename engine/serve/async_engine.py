@@ -59,6 +59,9 @@ class _Add:
     lora: AdapterRef | None
     cache_salt: str | None = None
     prefill_after: str | None = None
+    fairness_key: str = ""
+    fairness_weight: float = 1.0
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -138,10 +141,13 @@ class AsyncEngine:
         lora: AdapterRef | None = None,
         cache_salt: str | None = None,
         prefill_after: str | None = None,
+        fairness_key: str = "",
+        fairness_weight: float = 1.0,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's output after every step that changes it; the last one has `finished` set.
         `prefill_after`: the id of another choice of the same prompt, which this one waits for (see
-        `EngineCore.add_request`).
+        `EngineCore.add_request`); `fairness_key`, `fairness_weight` and `priority`: see `EngineCore.add_request`.
 
         Raises RequestError for an invalid request (before anything is yielded), RequestFailed if the engine
         finishes it with an error (its adapter could not be loaded), and EngineDeadError if the engine fails while
@@ -156,7 +162,20 @@ class AsyncEngine:
             prompt = self.core.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         checked = self.core.checked(prompt, sampling_params)
         sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, checked, text, sink, lora, cache_salt, prefill_after))
+        self._commands.put(
+            _Add(
+                request_id,
+                checked,
+                text,
+                sink,
+                lora,
+                cache_salt,
+                prefill_after,
+                fairness_key,
+                fairness_weight,
+                priority,
+            )
+        )
         self._wakeup.set()
         finished = False
         try:
@@ -286,6 +305,9 @@ class AsyncEngine:
                     lora=command.lora,
                     cache_salt=command.cache_salt,
                     prefill_after=command.prefill_after,
+                    fairness_key=command.fairness_key,
+                    fairness_weight=command.fairness_weight,
+                    priority=command.priority,
                 )
             except Exception as exc:  # a request the checks on the loop let through (duplicate id): fail only it
                 command.sink.put(exc)

@@ -71,15 +71,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        fairness_key: str | Sequence[str] = "",
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
 
-        `lora_request`: one adapter for every prompt, or one per prompt (None runs the base model).
+        `lora_request`: one adapter for every prompt, or one per prompt (None runs the base model). `fairness_key`
+        (whose request it is: keys share the engine fairly) and `priority` (lower first): one value, or one per prompt.
         """
         prompt_list: list[Prompt] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         encoded = [self._encode(p) for p in prompt_list]
         return self._generate(
-            encoded, self._params_for(len(encoded), sampling_params), self._loras_for(len(encoded), lora_request)
+            encoded,
+            self._params_for(len(encoded), sampling_params),
+            self._loras_for(len(encoded), lora_request),
+            _each(len(encoded), fairness_key, str, "fairness keys"),
+            _each(len(encoded), priority, int, "priorities"),
         )
 
     def _encode(self, prompt: Prompt) -> _Encoded:
@@ -120,11 +127,15 @@ class LLM:
         encoded: list[_Encoded],
         params_list: list[SamplingParams],
         loras: list[AdapterRef | None],
+        keys: list[str] | None = None,
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
+        keys = keys if keys is not None else [""] * len(encoded)
+        priorities = priorities if priorities is not None else [0] * len(encoded)
         request_ids: list[str] = []
         choices: list[list[str]] = []  # per prompt, its choices' request ids (n of them)
         try:
-            for prompt, params, lora in zip(encoded, params_list, loras, strict=True):
+            for prompt, params, lora, key, priority in zip(encoded, params_list, loras, keys, priorities, strict=True):
                 leader = str(next(self._ids))
                 ids = [leader] + [f"{leader}.{j}" for j in range(1, params.n)]
                 for j, request_id in enumerate(ids):
@@ -136,6 +147,8 @@ class LLM:
                         lora=lora,
                         cache_salt=prompt.cache_salt,
                         prefill_after=leader if j else None,
+                        fairness_key=key,
+                        priority=priority,
                     )
                     request_ids.append(request_id)
                 choices.append(ids)
@@ -186,6 +199,16 @@ class LLM:
                 if output.finished and output.request_id in wanted:
                     finished[output.request_id] = output
         return finished
+
+
+def _each(count: int, value: Any, kind: type, what: str) -> list[Any]:
+    """`value` for each of `count` prompts: one value for all, or a sequence of one per prompt."""
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"got {count} prompts but {len(values)} {what}")
+    return values
 
 
 def _merged(outputs: list[RequestOutput]) -> RequestOutput:

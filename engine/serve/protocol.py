@@ -180,6 +180,15 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # Sharing the engine: vLLM's priority (lower first), and ours, for the caller the platform is: whose request
+    # this is (the fair-share key; `user` when absent) and that key's weight.
+    priority: StrictInt = 0
+    fairness_key: Annotated[str, StringConstraints(max_length=256)] | None = None
+    fairness_weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
+
+    @property
+    def share_key(self) -> str:
+        return self.fairness_key if self.fairness_key is not None else (self.user or "")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -114,6 +114,9 @@ class Job:
     lora_param: str = "model"  # the request field that named the adapter, for errors about it
     cache_salt: str | None = None  # the request's prefix-cache salt
     n: int = 1  # choices per prompt: choice i is choice i % n of prompt i // n
+    fairness_key: str = ""
+    fairness_weight: float = 1.0
+    priority: int = 0
 
     @property
     def num_choices(self) -> int:
@@ -323,6 +326,9 @@ class OpenAIServing:
             lora_param,
             body.cache_salt,
             params.n,
+            body.share_key,
+            body.fairness_weight,
+            body.priority,
         )
         if body.unknown_fields:
             logger.warning("%s: ignoring unknown fields %s", job.response_id, ", ".join(body.unknown_fields))
@@ -385,6 +391,9 @@ class OpenAIServing:
                 lora=job.lora,
                 cache_salt=job.cache_salt,
                 prefill_after=job.prefill_after(index),
+                fairness_key=job.fairness_key,
+                fairness_weight=job.fairness_weight,
+                priority=job.priority,
             )
             # Closing the generator is what aborts the request.
             async with contextlib.aclosing(outputs):

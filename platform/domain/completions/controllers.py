@@ -97,7 +97,11 @@ async def _start(
         # The tenant's prefix-cache salt: derived from the deployment's secret, never from the request, and not
         # the tenant id itself (anyone who reaches an engine and knows an id could otherwise probe that cache).
         engine_body=engine_body(
-            target, body, source, cache_salt=resources.hasher.derive("prefix-cache-salt", str(principal.tenant_id))
+            target,
+            body,
+            source,
+            cache_salt=resources.hasher.derive("prefix-cache-salt", str(principal.tenant_id)),
+            fairness_key=str(principal.tenant_id),
         ),
         path=path,
     )

@@ -139,7 +139,9 @@ def estimate_tokens(body: Request, max_model_len: int = 0) -> int:
     return min(estimate, max_model_len) if max_model_len > 0 else estimate
 
 
-def engine_body(target: Target, body: Request, adapter_source: str | None, cache_salt: str) -> dict[str, Any]:
+def engine_body(
+    target: Target, body: Request, adapter_source: str | None, cache_salt: str, fairness_key: str = ""
+) -> dict[str, Any]:
     """The engine request: the tenant's fields, the endpoint's defaults under them, always streamed with running
     usage (so billing knows what each relayed chunk cost), and the tenant's `cache_salt`, which keeps its prefix-cache
     blocks apart from every other tenant's (a shared block would tell one tenant, through `cached_tokens`, what
@@ -157,6 +159,7 @@ def engine_body(target: Target, body: Request, adapter_source: str | None, cache
     merged["stream"] = True
     merged["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     merged["cache_salt"] = cache_salt
+    merged["fairness_key"] = fairness_key  # the tenant: tenants share an engine fairly (its VTC scheduler)
     if target.adapter is not None:
         assert adapter_source is not None
         assert target.adapter.digest is not None

@@ -421,6 +421,8 @@ def test_invalid_temperature_names_the_field(server: Server) -> None:
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"logit_bias": {"100000": 10}}, "logit_bias"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"fairness_weight": 0}, "fairness_weight"),
+        ({"priority": "high"}, "priority"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": 5}, "stop"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true

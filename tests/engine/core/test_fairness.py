@@ -1,0 +1,195 @@
+"""Fair share between fairness keys (weighted VTC) and priorities, on synthetic schedules: the scheduler's service
+difference between two backlogged keys stays within the bound, idle keys earn no credit, priorities order
+admission and preemption; first come, first served (one key) is the reference that shows the problem."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from _support.checkpoints import tiny_spec
+
+from loraplex.engine import LLM
+from loraplex.engine.core.request import Request
+from loraplex.engine.core.request_memory import RequestMemory
+from loraplex.engine.core.sampling_params import SamplingParams
+from loraplex.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from loraplex.engine.errors import RequestError
+from loraplex.engine.memory.kv_cache import KVCacheManager
+from loraplex.engine.memory.page_pool import PagePool
+from loraplex.engine.tools.demo import write_random_model
+
+pytestmark = pytest.mark.unit
+
+BLOCK = 4
+ids = itertools.count()
+
+
+def scheduler(*, pages: int = 256, budget: int = 32, max_seqs: int = 4) -> Scheduler:
+    pool = PagePool(
+        num_pages=pages, num_layers=1, page_elems=2 * BLOCK, dtype=torch.float32, device=torch.device("cpu")
+    )
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    return Scheduler(config, RequestMemory(KVCacheManager(pool, BLOCK)))
+
+
+def request(key: str, prompt_len: int, max_tokens: int, *, weight: float = 1.0, priority: int = 0) -> Request:
+    r = Request(f"{key}{next(ids)}", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), max_tokens)
+    r.fairness_key, r.fairness_weight, r.priority = key, weight, priority
+    return r
+
+
+class Run:
+    """Drives a scheduler step by step as the engine does, and keeps its own books of each key's service (prompt
+    tokens x 1 + generated tokens x 2, over the key's weight): the plain reference the scheduler's counters are
+    checked against."""
+
+    def __init__(self, sched: Scheduler, weights: dict[str, float] | None = None) -> None:
+        self.sched = sched
+        self.weights = weights or {}
+        self.served: dict[str, float] = {}
+        self.step_costs: list[float] = []
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        this_step: dict[str, float] = {}
+        done = []
+        for s in out.scheduled:
+            r = s.request
+            prompt = max(0, min(r.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens) - r.num_computed_tokens)
+            cost = prompt + (2 if s.completes_prompt else 0)
+            key = r.fairness_key
+            this_step[key] = this_step.get(key, 0.0) + cost / self.weights.get(key, 1.0)
+            if s.completes_prompt:
+                done.append(r)
+        self.sched.update_from_output(out)
+        for r in done:
+            r.output_token_ids.append(7)
+            if len(r.output_token_ids) >= r.max_tokens:
+                self.sched.finish(r, r.status.FINISHED_LENGTH)
+        for key, cost in this_step.items():
+            self.served[key] = self.served.get(key, 0.0) + cost
+        self.step_costs.extend(this_step.values())
+        return out
+
+    def keys_waiting(self, key: str) -> int:
+        return sum(1 for r in (*self.sched.waiting, *self.sched.running) if r.fairness_key == key)
+
+
+def flood(run: Run, steps: int, *, a_key: str = "a", b_key: str = "b", weight_b: float = 1.0) -> list[float]:
+    """Both keys backlogged (closed loops that keep 12 requests each waiting or running, more than the 4 slots):
+    A's are long, B's short; A's are sent first. Returns the service difference A - B after every step."""
+    diffs = []
+    for _ in range(steps):
+        while run.keys_waiting(a_key) < 12:
+            run.sched.add(request(a_key, 24, 8))
+        while run.keys_waiting(b_key) < 12:
+            run.sched.add(request(b_key, 6, 4, weight=weight_b))
+        run.step()
+        diffs.append(run.served.get(a_key, 0.0) - run.served.get(b_key, 0.0))
+    return diffs
+
+
+def test_backlogged_keys_stay_within_the_vtc_bound() -> None:
+    run = Run(scheduler())
+    diffs = flood(run, 300)
+    bound = 2 * max(run.step_costs)
+    assert max(abs(d) for d in diffs[20:]) <= bound, (max(diffs), bound)
+    # The scheduler's counters are the reference's books.
+    assert run.sched.service["a"] == pytest.approx(run.served["a"])
+    assert run.sched.service["b"] == pytest.approx(run.served["b"])
+
+
+def test_first_come_first_served_lets_the_flood_take_the_engine() -> None:
+    vtc = Run(scheduler())
+    flood(vtc, 300)
+    vtc_share_b = vtc.served["b"] / (vtc.served["a"] + vtc.served["b"])
+    fcfs_share_b = _share_of_b_under_fcfs()
+    assert fcfs_share_b < 0.3 and vtc_share_b > 0.45, (fcfs_share_b, vtc_share_b)
+
+
+def _share_of_b_under_fcfs() -> float:
+    """B's share of the service when every request has the same key (first come, first served)."""
+    sched = scheduler()
+    served = {"A": 0.0, "B": 0.0}
+    owner: dict[int, str] = {}
+    for _ in range(300):
+        for tag, prompt, out_len, cap in (("A", 24, 8, 12), ("B", 6, 4, 12)):
+            while sum(1 for r in (*sched.waiting, *sched.running) if owner[id(r)] == tag) < cap:
+                r = request("", prompt, out_len)
+                owner[id(r)] = tag
+                sched.add(r)
+        out = sched.schedule()
+        done = []
+        for s in out.scheduled:
+            r = s.request
+            prompt_tokens = max(
+                0, min(r.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens) - r.num_computed_tokens
+            )
+            served[owner[id(r)]] += prompt_tokens + (2 if s.completes_prompt else 0)
+            if s.completes_prompt:
+                done.append(r)
+        sched.update_from_output(out)
+        for r in done:
+            r.output_token_ids.append(7)
+            if len(r.output_token_ids) >= r.max_tokens:
+                sched.finish(r, r.status.FINISHED_LENGTH)
+    return served["B"] / (served["A"] + served["B"])
+
+
+def test_weights_scale_the_share() -> None:
+    run = Run(scheduler(), weights={"b": 3.0})
+    flood(run, 400, weight_b=3.0)
+    raw_a = run.served["a"]
+    raw_b = run.served["b"] * 3.0  # undo the weight: tokens actually served
+    assert 2.0 < raw_b / raw_a < 4.5, raw_b / raw_a
+
+
+def test_an_idle_key_earns_no_credit() -> None:
+    run = Run(scheduler())
+    for _ in range(200):  # a alone for a long while
+        while run.keys_waiting("a") < 12:
+            run.sched.add(request("a", 24, 8))
+        run.step()
+    assert run.served["a"] > 1000
+    before_b = dict(run.served)
+    diffs = flood(run, 100)  # b arrives: lifted to a's counter, not left to catch up on 200 steps of a
+    gained_a = run.served["a"] - before_b["a"]
+    gained_b = run.served["b"]
+    assert gained_a > 0.3 * (gained_a + gained_b), (gained_a, gained_b)
+    assert max(abs(d - diffs[0]) for d in diffs) <= 2 * max(run.step_costs) + abs(diffs[0])
+
+
+def test_priorities_order_admission_and_preemption() -> None:
+    sched = scheduler(max_seqs=1)
+    late = request("a", 4, 2, priority=1)
+    urgent = request("b", 4, 2, priority=0)
+    sched.add(late)
+    sched.add(urgent)
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [urgent]
+    # Under memory pressure the least urgent running request is the one preempted.
+    sched = scheduler(pages=14, budget=64, max_seqs=4)  # one request's 38 tokens fit (10 pages), two do not
+    low = request("a", 8, 30, priority=5)
+    high = request("b", 8, 30, priority=0)
+    run = Run(sched)
+    sched.add(high)
+    sched.add(low)
+    preempted: list[Request] = []
+    for _ in range(40):
+        preempted += run.step().preempted
+    assert preempted and all(r is low for r in preempted)
+
+
+def test_the_offline_api_takes_keys_and_priorities(tmp_path: Path) -> None:
+    llm = LLM(write_random_model(tmp_path / "m", tiny_spec()), device="cpu", dtype="float32")
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    outs = llm.generate(["a", "b", "c"], params, fairness_key=["x", "y", "x"], priority=[0, 1, 0])
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+    assert set(llm.engine.scheduler.service) == {"x", "y"}
+    with pytest.raises(ValueError, match="2 fairness keys"):
+        llm.generate(["a", "b", "c"], params, fairness_key=["x", "y"])
+    with pytest.raises(RequestError):
+        llm.engine.add_request("w", [1, 2], params, fairness_weight=0)
