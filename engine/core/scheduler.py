@@ -149,8 +149,14 @@ class Scheduler:
         soon as the requests already running drain (a bounded wait), never starved by newcomers of popular adapters.
         """
         passed_over: set[int] = set()  # ids of requests that cannot start this step but do not block the others
+        # One key and one priority among the waiting (the common case): the order is the queue's, and no pick needs
+        # a scan of the whole queue.
+        first = self.waiting[0] if self.waiting else None
+        in_order = first is None or all(
+            r.fairness_key == first.fairness_key and r.priority == first.priority for r in self.waiting
+        )
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._next_waiting(passed_over)
+            request = self._next_waiting(passed_over, in_order=in_order)
             if request is None:
                 break
             if request.prefill_after is not None and not request.prefill_after.is_prefilled:
@@ -183,8 +189,10 @@ class Scheduler:
             self._charge(scheduled)
         return budget
 
-    def _next_waiting(self, passed_over: set[int]) -> Request | None:
+    def _next_waiting(self, passed_over: set[int], *, in_order: bool) -> Request | None:
         """The waiting request to try next: lowest (priority, key's service), then the one nearest the front."""
+        if in_order:
+            return next((r for r in self.waiting if id(r) not in passed_over), None)
         best: Request | None = None
         best_rank: tuple[int, float] | None = None
         for request in self.waiting:

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from loraplex.engine.serve.cli import configure_logging, engine
     from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
-    from loraplex.engine.serve.protocol import ChatMessage, NamedToolChoice, ToolDefinition, completion_limit
+    from loraplex.engine.serve.protocol import ChatMessage, completion_limit
     from loraplex.engine.serve.registration import ENGINE_KEY, ENGINES_SET, FleetRecord, engine_record
     from loraplex.engine.serve.server import create_engine_app, serve
+    from loraplex.engine.serve.tool_calls import NamedToolChoice, ToolDefinition
 
 __all__ = [
     "ENGINES_SET",
@@ -40,8 +41,8 @@ _WHERE = {
     "GuardedRequest": "loraplex.engine.serve.http_edge",
     "refuse_nul_bytes": "loraplex.engine.serve.http_edge",
     "ChatMessage": "loraplex.engine.serve.protocol",
-    "NamedToolChoice": "loraplex.engine.serve.protocol",
-    "ToolDefinition": "loraplex.engine.serve.protocol",
+    "NamedToolChoice": "loraplex.engine.serve.tool_calls",
+    "ToolDefinition": "loraplex.engine.serve.tool_calls",
     "completion_limit": "loraplex.engine.serve.protocol",
     "ENGINE_KEY": "loraplex.engine.serve.registration",
     "ENGINES_SET": "loraplex.engine.serve.registration",

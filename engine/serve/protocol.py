@@ -6,37 +6,42 @@ skip_special_tokens, include_stop_str_in_output), vLLM's `cache_salt` and `strea
 and one field of our own for a trusted caller (the platform): `lora_adapter`, an adapter named by its files and
 content digest (`LoraAdapterSpec`). Unknown fields are ignored, as both servers do, and listed in `model_extra` so
 the server can log them. Shape errors (a wrong type, a role that does not exist) fail validation and name the
-field; values the engine cannot honour (n > 1, tools) are refused by `sampling_params()` / `check_supported()` with a
-`RequestError` naming the field; ranges (temperature, top_p, penalties, ...) are `SamplingParams`'s to check, and
-output grammars (`response_format`, vLLM's `guided_*` and `structured_outputs`) the engine's grammar compiler's, so
-each rule lives in one place.
+field; values the engine cannot honour (best_of, suffix, the legacy functions API, a request's own chat template)
+are refused by `sampling_params()` / `check_supported()` with a `RequestError` naming the field; ranges
+(temperature, penalties, n, ...) are `SamplingParams`'s to check, and output grammars (`response_format`,
+`tool_choice`, vLLM's `guided_*` and `structured_outputs`) the engine's grammar compiler's, so each rule lives in
+one place.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Sequence
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     StrictBool,
     StrictInt,
     StrictStr,
     StringConstraints,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
-from loraplex.engine.core.outputs import PositionLogprobs
 from loraplex.engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from loraplex.engine.errors import RequestError
-from loraplex.engine.serve.tool_calls import required_grammar
+from loraplex.engine.serve.logprobs import ChoiceLogprobs, CompletionLogprobs
+from loraplex.engine.serve.output_formats import ResponseFormat, StructuredOutputsField
+from loraplex.engine.serve.tool_calls import (
+    DeltaToolCall,
+    NamedToolChoice,
+    ToolCall,
+    ToolDefinition,
+    WithoutNulls,
+    required_grammar,
+)
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
@@ -116,36 +121,6 @@ class LoraAdapterSpec(BaseModel):
         return digest
 
 
-class JsonSchemaFormat(BaseModel):
-    """OpenAI's `response_format.json_schema`."""
-
-    model_config = ConfigDict(extra="allow")
-
-    name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
-    description: str | None = None
-    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
-    strict: StrictBool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputsField(BaseModel):
-    """vLLM's `structured_outputs` request field: exactly one of these."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: StrictBool | None = None
-
-
 class _SamplingFields(_Request):
     """Fields both APIs share, mapped to SamplingParams in one place."""
 
@@ -180,8 +155,7 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsField | None = None
-    # Sharing the engine: vLLM's priority (lower first), and ours, for the caller the platform is: whose request
-    # this is (the fair-share key; `user` when absent) and that key's weight.
+    # vLLM's priority (lower first); ours: whose request this is (fair share; `user` when absent), and its weight
     priority: StrictInt = 0
     fairness_key: Annotated[str, StringConstraints(max_length=256)] | None = None
     fairness_weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
@@ -323,41 +297,6 @@ class CompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
 
 
-def _by_rank(position: PositionLogprobs) -> list[tuple[str, float]]:
-    """(decoded token, logprob) of one position's entries, most likely first."""
-    ranked = sorted(position.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
-    return [(lp.decoded_token or "", lp.logprob) for lp in ranked]
-
-
-class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per generated token."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-    @classmethod
-    def of(
-        cls, token_ids: Sequence[int], positions: Sequence[PositionLogprobs], text_offset: int
-    ) -> tuple[CompletionLogprobs, int]:
-        """The logprobs of `token_ids`, whose text starts at `text_offset`; returns them and the next offset."""
-        result = cls()
-        for token_id, position in zip(token_ids, positions, strict=True):
-            sampled = position.get(token_id)
-            token = (sampled.decoded_token or "") if sampled is not None else ""
-            result.tokens.append(token)
-            result.token_logprobs.append(sampled.logprob if sampled is not None else None)
-            # vLLM's shape: the top alternatives plus the sampled token, so logprobs=0 still names it.
-            top: dict[str, float] = {}
-            for text, logprob in _by_rank(position):
-                top.setdefault(text, logprob)  # two ids may decode alike: keep the likelier
-            result.top_logprobs.append(top)
-            result.text_offset.append(text_offset)
-            text_offset += len(token)
-        return result, text_offset
-
-
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -433,34 +372,6 @@ def check_content(value: Any) -> Any:
     return value
 
 
-FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # OpenAI's rule (dots: vLLM's)
-
-
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    name: FunctionName
-    arguments: StrictStr  # JSON text, as OpenAI sends it
-
-
-class ToolCall(BaseModel):
-    """A call the assistant made, in an earlier turn (request) or this one (response)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-    def for_template(self) -> dict[str, Any]:
-        # HF chat templates render `arguments` with `tojson` and expect the object, as vLLM hands it to them.
-        try:
-            arguments: Any = json.loads(self.function.arguments)
-        except ValueError:
-            arguments = self.function.arguments
-        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -503,35 +414,6 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             message["name"] = self.name
         return message
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    name: FunctionName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; absent: no arguments
-    strict: StrictBool | None = None
-
-    @property
-    def arguments_schema(self) -> dict[str, Any]:
-        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
-
-
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    name: FunctionName
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -601,7 +483,6 @@ class ChatCompletionRequest(_SamplingFields):
         return [StructuredOutputsParams(json=schema, param="response_format.json_schema.schema")]
 
     def check_supported(self) -> None:
-        super().check_supported()
         if self.functions or self.function_call not in (None, "none"):
             name = "functions" if self.functions else "function_call"
             raise _unsupported(name, "the legacy functions API is not supported: send tools and tool_choice")
@@ -628,60 +509,10 @@ class ChatCompletionRequest(_SamplingFields):
         return [t.model_dump(exclude_none=True) for t in self.tools or ()]
 
 
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-    @classmethod
-    def of(cls, token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top_n: int) -> ChoiceLogprobs:
-        """Chat logprobs of `token_ids`: each with its `top_n` most likely alternatives, most likely first."""
-        content: list[TokenLogprob] = []
-        for token_id, position in zip(token_ids, positions, strict=True):
-            sampled = position.get(token_id)
-            token = (sampled.decoded_token or "") if sampled is not None else ""
-            top = [
-                TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
-                for text, logprob in _by_rank(position)[:top_n]
-            ]
-            # The engine always reports the sampled token; the fallback only keeps the shape if it did not.
-            logprob = sampled.logprob if sampled is not None else -9999.0
-            content.append(TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top))
-        return cls(content=content)
-
-
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
-
-
-class _WithoutNulls(BaseModel):
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # OpenAI's deltas carry only what changed: a call's id, type and name in its first delta, not after.
-        data: dict[str, Any] = handler(self)
-        return {key: value for key, value in data.items() if value is not None}
-
-
-class DeltaFunctionCall(_WithoutNulls):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(_WithoutNulls):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
 
 
 class ChatChoice(BaseModel):
@@ -702,16 +533,12 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(WithoutNulls):
+    """OpenAI's deltas carry only what changed: `{"content": "..."}`, and `{}` on the finishing chunk."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # OpenAI's deltas carry only what changed: `{"content": "..."}`, and `{}` on the finishing chunk.
-        data: dict[str, Any] = handler(self)
-        return {key: value for key, value in data.items() if value is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -46,6 +46,7 @@ from loraplex.engine.lora.ref import LoRARequest
 from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected
 from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
+from loraplex.engine.serve.jobs import Job
 from loraplex.engine.serve.lora_registry import AdapterRoots, LoraRegistry
 from loraplex.engine.serve.metrics import CONTENT_TYPE
 from loraplex.engine.serve.protocol import (
@@ -57,7 +58,7 @@ from loraplex.engine.serve.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from loraplex.engine.serve.registration import FleetRegistration, RegistrationConfig
-from loraplex.engine.serve.serving import Job, OpenAIServing
+from loraplex.engine.serve.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 

@@ -27,21 +27,22 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Final, TypeVar
 
 from litestar import Request
 from pydantic import BaseModel
 
 from loraplex.engine.core.engine_core import CheckedPrompt
-from loraplex.engine.core.outputs import PositionLogprobs, RequestOutput
+from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.errors import ContextLengthExceeded
 from loraplex.engine.lora.manager import AdapterState
 from loraplex.engine.lora.ref import AdapterRef
-from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected
+from loraplex.engine.serve.api_errors import ApiError
 from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed
+from loraplex.engine.serve.jobs import Delta, Job, JobPrompt, job_usage, merge, unless_disconnected
+from loraplex.engine.serve.logprobs import ChoiceLogprobs, CompletionLogprobs
 from loraplex.engine.serve.lora_registry import LORA_ADAPTER_PARAM, AdapterRoots, LoraRegistry
 from loraplex.engine.serve.metrics import EngineMetrics, LoraMetrics, RequestRecord
 from loraplex.engine.serve.protocol import (
@@ -51,26 +52,24 @@ from loraplex.engine.serve.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChoiceLogprobs,
     CompletionChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
-    FunctionCall,
     LoraAdapterSpec,
     ModelCard,
     ModelList,
-    NamedToolChoice,
-    ToolCall,
     Usage,
 )
 from loraplex.engine.serve.tool_calls import (
     TOOL_CALL_PARSERS,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
     ParsedToolCall,
+    ToolCall,
     ToolCallStream,
     detect_parser,
     new_call_id,
@@ -85,136 +84,6 @@ T = TypeVar("T")
 # Prompts at least this long are tokenized in a worker thread; shorter ones take less than a millisecond, less than
 # the hop to a thread costs.
 OFFLOAD_TOKENIZE_CHARS: Final = 16_384
-
-
-# --- running engine requests -------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Prompt:
-    checked: CheckedPrompt  # its token ids, checked once, here
-    text: str | None  # the prompt as text, for echo (decoded when it came as token ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.checked.token_ids
-
-
-@dataclass(slots=True)
-class Job:
-    """One HTTP request: its engine requests share the response id, arrival time, parameters and adapter."""
-
-    response_id: str
-    created: int
-    prompts: list[_Prompt]
-    params: SamplingParams
-    arrived: float  # perf_counter() when the HTTP request reached its handler
-    model: str  # the name the client asked for (the base model's or an adapter's), echoed in responses
-    lora: AdapterRef | None  # None: the base model
-    lora_param: str = "model"  # the request field that named the adapter, for errors about it
-    cache_salt: str | None = None  # the request's prefix-cache salt
-    n: int = 1  # choices per prompt: choice i is choice i % n of prompt i // n
-    fairness_key: str = ""
-    fairness_weight: float = 1.0
-    priority: int = 0
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.prompts) * self.n
-
-    def prompt_of(self, index: int) -> _Prompt:
-        return self.prompts[index // self.n]
-
-    def request_id(self, index: int) -> str:
-        return self.response_id if self.num_choices == 1 else f"{self.response_id}-{index}"
-
-    def checked(self, index: int) -> CheckedPrompt:
-        """Choice `index`'s engine request: its prompt, with that choice's parameters (its own seed stream)."""
-        checked = self.prompt_of(index).checked
-        return dataclasses.replace(checked, params=checked.params.choice(index % self.n))
-
-    def prefill_after(self, index: int) -> str | None:
-        """The request id of the first choice of `index`'s prompt, which prefills it for the others."""
-        return self.request_id(index - index % self.n) if index % self.n else None
-
-
-@dataclass(slots=True)
-class _Delta:
-    """What one engine output adds to choice `index` of a stream."""
-
-    index: int
-    text: str  # never sent before
-    token_ids: list[int]  # the tokens generated since the previous delta
-    logprobs: list[PositionLogprobs] | None  # theirs, when asked for
-    output: RequestOutput  # the cumulative output (finish_reason, stop_reason)
-    sent: Mapping[int, RequestOutput]  # each choice's output as of its latest delta, this one included (shared)
-
-
-async def _merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
-    """Items of every stream as they come, tagged with the stream's index; the first error ends all of them.
-
-    Closing this generator cancels the streams' pumps, which closes (and so aborts) each stream.
-    """
-    done: Final = object()
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
-        try:
-            async with contextlib.aclosing(stream):
-                async for item in stream:
-                    queue.put_nowait((index, item))
-        except Exception as exc:
-            queue.put_nowait((index, exc))
-        else:
-            queue.put_nowait((index, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _wait_for_disconnect(request: Request[Any, Any, Any]) -> None:
-    # The body has been read, so the next ASGI message is the disconnect (or the end of the response).
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (which aborts its engine requests) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            raise ClientDisconnected
-        return task.result()
-    finally:
-        task.cancel()
-        watcher.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-
-
-def _usage(job: Job, outputs: Mapping[int, RequestOutput]) -> Usage:
-    """Usage of the whole job as of one output per choice (the final ones, for the final usage); a choice with no
-    output yet counts its prompt only."""
-    # Each prompt counts once, with its first choice's cached tokens: the other choices reuse the blocks it computed.
-    return Usage.of(
-        num_prompt_tokens=sum(len(p.token_ids) for p in job.prompts),
-        num_completion_tokens=sum(len(out.outputs[0].token_ids) for out in outputs.values()),
-        num_cached_tokens=sum(out.num_cached_tokens for index, out in outputs.items() if index % job.n == 0),
-    )
 
 
 # --- the serving logic -------------------------------------------------------------------------------------------
@@ -308,7 +177,7 @@ class OpenAIServing:
         self,
         kind: str,
         body: CompletionRequest | ChatCompletionRequest,
-        prompts: list[_Prompt],
+        prompts: list[JobPrompt],
         params: SamplingParams,
         arrived: float,
         model: str,
@@ -348,7 +217,7 @@ class OpenAIServing:
         model, lora = self._check_model(body.model, body.lora_adapter)
         params = body.sampling_params()
         tokenizer = self.engine.core.tokenizer
-        prompts: list[_Prompt] = []
+        prompts: list[JobPrompt] = []
         for prompt in body.prompts:
             text: str | None
             if isinstance(prompt, str):
@@ -356,7 +225,7 @@ class OpenAIServing:
             else:
                 token_ids = list(prompt)
                 text = tokenizer.decode(prompt, skip_special_tokens=False) if body.echo else None
-            prompts.append(_Prompt(await self._check_prompt(token_ids, params, "prompt"), text))
+            prompts.append(JobPrompt(await self._check_prompt(token_ids, params, "prompt"), text))
         return self._job("cmpl", body, prompts, params, arrived, model, lora)
 
     async def chat_job(self, body: ChatCompletionRequest) -> Job:
@@ -372,7 +241,7 @@ class OpenAIServing:
             params = dataclasses.replace(params, skip_special_tokens=False)
         # The rendered template carries its own special tokens (BOS included): adding them again would double them.
         token_ids = await self._encode(text, add_special_tokens=False, param="messages")
-        prompt = _Prompt(await self._check_prompt(token_ids, params, "messages"), text)
+        prompt = JobPrompt(await self._check_prompt(token_ids, params, "messages"), text)
         return self._job("chatcmpl", body, [prompt], params, arrived, model, lora)
 
     # generation
@@ -442,7 +311,7 @@ class OpenAIServing:
             )
 
     def _outputs(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        return _merge([self._generate(job, i) for i in range(job.num_choices)])
+        return merge([self._generate(job, i) for i in range(job.num_choices)])
 
     async def _finals(self, job: Job) -> dict[int, RequestOutput]:
         finals: dict[int, RequestOutput] = {}
@@ -451,7 +320,7 @@ class OpenAIServing:
                 finals[index] = output
         return finals
 
-    async def _deltas(self, job: Job) -> AsyncGenerator[_Delta, None]:
+    async def _deltas(self, job: Job) -> AsyncGenerator[Delta, None]:
         """What each output adds to its choice; outputs that add no visible text (a held-back tail, a partial
         character) are folded into the next one, so no chunk is empty but the finishing one."""
         num_chars = [0] * job.num_choices
@@ -468,12 +337,12 @@ class OpenAIServing:
                 num_chars[index] = len(completion.text)
                 num_tokens[index] = len(completion.token_ids)
                 sent[index] = output
-                yield _Delta(index, text, completion.token_ids[start:], logprobs, output, sent)
+                yield Delta(index, text, completion.token_ids[start:], logprobs, output, sent)
 
     # completions
 
     async def complete(self, job: Job, body: CompletionRequest, request: Request[Any, Any, Any]) -> CompletionResponse:
-        finals = await _unless_disconnected(request, self._finals(job))
+        finals = await unless_disconnected(request, self._finals(job))
         choices = []
         for index in range(job.num_choices):
             prompt = job.prompt_of(index)
@@ -492,7 +361,7 @@ class OpenAIServing:
                 )
             )
         return CompletionResponse(
-            id=job.response_id, created=job.created, model=job.model, choices=choices, usage=_usage(job, finals)
+            id=job.response_id, created=job.created, model=job.model, choices=choices, usage=job_usage(job, finals)
         )
 
     async def complete_stream(self, job: Job, body: CompletionRequest) -> AsyncGenerator[BaseModel, None]:
@@ -505,7 +374,7 @@ class OpenAIServing:
         if body.echo:
             for index in range(job.num_choices):
                 text = job.prompt_of(index).text or ""
-                yield chunk([CompletionChoice(index=index, text=text)], _usage(job, {}) if continuous else None)
+                yield chunk([CompletionChoice(index=index, text=text)], job_usage(job, {}) if continuous else None)
         text_offsets = [0] * job.num_choices
         finals: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(self._deltas(job)) as deltas:
@@ -525,16 +394,16 @@ class OpenAIServing:
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-                yield chunk([choice], _usage(job, delta.sent) if continuous else None)
+                yield chunk([choice], job_usage(job, delta.sent) if continuous else None)
         if body.include_usage:
-            yield chunk([], _usage(job, finals))
+            yield chunk([], job_usage(job, finals))
 
     # chat
 
     async def chat(
         self, job: Job, body: ChatCompletionRequest, request: Request[Any, Any, Any]
     ) -> ChatCompletionResponse:
-        finals = await _unless_disconnected(request, self._finals(job))
+        finals = await unless_disconnected(request, self._finals(job))
         choices: list[ChatChoice] = []
         for index in range(job.num_choices):
             completion = finals[index].outputs[0]
@@ -552,7 +421,7 @@ class OpenAIServing:
                 )
             )
         return ChatCompletionResponse(
-            id=job.response_id, created=job.created, model=job.model, choices=choices, usage=_usage(job, finals)
+            id=job.response_id, created=job.created, model=job.model, choices=choices, usage=job_usage(job, finals)
         )
 
     def _tool_calls(self, body: ChatCompletionRequest, text: str) -> tuple[str | None, list[ParsedToolCall]]:
@@ -577,7 +446,7 @@ class OpenAIServing:
         roles = [
             ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(job.num_choices)
         ]
-        yield chunk(roles, _usage(job, {}) if continuous else None)
+        yield chunk(roles, job_usage(job, {}) if continuous else None)
         mode = body.tool_mode
         streams = [
             ToolCallStream(self.tool_call_parser, body.tool_names) if mode == "auto" else None
@@ -620,7 +489,7 @@ class OpenAIServing:
                                 stop_reason=completion.stop_reason,
                             )
                         ],
-                        _usage(job, delta.sent) if continuous else None,
+                        job_usage(job, delta.sent) if continuous else None,
                     )
                     continue
                 if mode == "required":
@@ -656,9 +525,9 @@ class OpenAIServing:
                     finish_reason="tool_calls" if calls else completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-                yield chunk([choice], _usage(job, delta.sent) if continuous else None)
+                yield chunk([choice], job_usage(job, delta.sent) if continuous else None)
         if body.include_usage:
-            yield chunk([], _usage(job, finals))
+            yield chunk([], job_usage(job, finals))
 
     # operations
 

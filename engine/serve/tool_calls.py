@@ -8,6 +8,8 @@ OpenAI's `message.tool_calls`.
   calls in what it wrote: `hermes` (Hermes, Qwen 2.5 and 3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`)
   or `llama3_json` (Llama 3.1-3.3: `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several
   separated by `;`). Text that holds no well-formed call is content, as vLLM leaves it.
+- The wire shapes: the tools a request offers (`ToolDefinition`, `NamedToolChoice`), the calls in messages
+  (`ToolCall`) and in stream deltas (`DeltaToolCall`).
 - Streaming (`ToolCallStream`): content goes out as it comes until the text may be starting a call; from there the
   text is held back, and the calls are sent once complete, each as one delta with its id, name and arguments, which
   the `openai` SDK's stream helpers assemble as they do OpenAI's.
@@ -20,7 +22,17 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    StrictStr,
+    StringConstraints,
+    model_serializer,
+)
 
 from loraplex.engine.core.sampling_params import StructuredOutputsParams
 
@@ -28,6 +40,89 @@ TOOL_CALL_PARSERS: Final = ("hermes", "llama3_json")
 _HERMES_START: Final = "<tool_call>"
 _HERMES_CALL: Final = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _PYTHON_TAG: Final = "<|python_tag|>"
+
+
+# --- wire shapes ---------------------------------------------------------------------------------------------------
+
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # OpenAI's rule (dots: vLLM's)
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: FunctionName
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made, in an earlier turn (request) or this one (response)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        # HF chat templates render `arguments` with `tojson` and expect the object, as vLLM hands it to them.
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; absent: no arguments
+    strict: StrictBool | None = None
+
+    @property
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class WithoutNulls(BaseModel):
+    """A shape serialized without its unset (None) fields, as OpenAI's stream deltas are."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {key: value for key, value in data.items() if value is not None}
+
+
+class DeltaFunctionCall(WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(WithoutNulls):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+# --- parsing -------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)

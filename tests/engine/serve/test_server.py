@@ -656,10 +656,12 @@ def test_sdk_stream_helper_parses_the_streamed_object(server: Server) -> None:
 def test_json_object_and_vllm_guided_fields(server: Server) -> None:
     client = server.client()
     chat = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, response_format={"type": "json_object"}
-    )
-    if chat.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
+        model=MODEL, messages=MESSAGES, n=8, max_tokens=200, temperature=1.0, seed=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    finished = [c.message.content or "" for c in chat.choices if c.finish_reason == "stop"]
+    assert finished  # a random model under "any object" finishes now and then; what it finishes is an object
+    assert all(isinstance(json.loads(text), dict) for text in finished)
     choice = client.completions.create(
         model=MODEL, prompt="Pick:", max_tokens=8, extra_body={"guided_choice": ["left", "right"]}
     )
