@@ -1,9 +1,9 @@
 """The admin billing page (`GET /admin/billing`): one period's billing reports drawn as a self-contained HTML page.
 
-Here lives the data side: the reports (`gather`), the period (`page_range`), and the view model the templates lay
-out (`BillingPage` and its parts, built by `page_view`): every figure formatted, every length computed. The markup,
-SVG and CSS live in templates/ (billing_page.html, billing_charts.html, billing_page.css), rendered by Litestar's
-Jinja engine with autoescaping on, so every string a tenant chose (tenant and endpoint names) is escaped wherever it
+Here lives the data side: the reports (`gather`), the period (`page_range`), and the building of the view model the
+templates lay out (`page_view`; its shapes, `BillingPage` and its parts, are in page_view.py): every figure
+formatted, every length computed. The markup, SVG and CSS live in templates/ (billing_page.html,
+billing_charts.html, billing_page.css), rendered by Litestar's Jinja engine with autoescaping on, so every string a tenant chose (tenant and endpoint names) is escaped wherever it
 lands without a call here. The controller answers a `Template` response through the app's engine; `render` gives
 the same bytes through an engine made the same way (`template_engine`), for tests.
 
@@ -27,6 +27,24 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from litestar.plugins.jinja import JinjaTemplateEngine
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from loraplex.platform.domain.billing.page_view import (
+    AxisLabel,
+    Bar,
+    BarChart,
+    BarPlot,
+    BillingPage,
+    Card,
+    CostChart,
+    CostPlot,
+    DayBar,
+    DaySlot,
+    Frame,
+    LegendItem,
+    NoData,
+    Segment,
+    TenantRow,
+    Tick,
+)
 from loraplex.platform.domain.billing.rating import MONEY_QUANTUM, GroupBy, Line
 from loraplex.platform.domain.billing.service import BillingReport, BillingService
 from loraplex.platform.domain.usage.service import resolve_range
@@ -111,178 +129,6 @@ def stacked_tenants(by_tenant: BillingReport) -> list[str]:
     """The ids of the tenants the cost chart draws apart: the MAX_STACKED_TENANTS costliest with a cost, costliest
     first (then most requests, then report order)."""
     return [_tenant_id(line) for line in _costliest(by_tenant.lines, MAX_STACKED_TENANTS)]
-
-
-# --- the view model -----------------------------------------------------------------------------------------------
-# What the templates lay out. Strings are as shown (raw: the templates escape them), geometry is in viewBox units,
-# floats already formatted (to .1f or .2f, as the SVG has always carried them).
-
-
-@dataclass(frozen=True, slots=True)
-class Card:
-    """One of the totals at the top."""
-
-    name: str  # its `data-total`
-    label: str
-    value: str
-    note: str
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """A chart's <svg>: `chart` is its `data-chart` and prefixes the ids of its title and description."""
-
-    chart: str
-    width: int
-    height: int
-    title: str
-    desc: str
-
-
-@dataclass(frozen=True, slots=True)
-class NoData:
-    """The message a chart with nothing to draw shows in its middle."""
-
-    x: str
-    y: str
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class AxisLabel:
-    x: str
-    y: int
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Tick:
-    """A gridline of the cost chart and its cost label."""
-
-    y: str
-    label_y: str
-    label: str
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One tenant's cost on one day: a piece of that day's bar."""
-
-    tenant_id: str  # or "other": the tenants beyond the stacked ones
-    day: str
-    cost: str  # as the report writes it
-    x: str
-    y: str
-    width: str
-    height: str
-    fill: str
-    title: str
-
-
-@dataclass(frozen=True, slots=True)
-class DayBar:
-    day: str
-    title: str
-    segments: tuple[Segment, ...]  # bottom up
-
-
-@dataclass(frozen=True, slots=True)
-class DaySlot:
-    """A day of the period: its bar (None without usage) and its date under the axis (None between labelled days)."""
-
-    bar: DayBar | None
-    label: AxisLabel | None
-
-
-@dataclass(frozen=True, slots=True)
-class LegendItem:
-    tenant_id: str
-    name: str
-    colour: str
-
-
-@dataclass(frozen=True, slots=True)
-class CostPlot:
-    x1: int  # the plot's left and right edges, where gridlines and the axis run
-    x2: int
-    tick_x: int  # where the cost labels end
-    base_y: int
-    ticks: tuple[Tick, ...]
-    days: tuple[DaySlot, ...]
-    legend: tuple[LegendItem, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CostChart:
-    """The cost per day: a plot, or (exactly one of the two) a message when nothing was priced."""
-
-    frame: Frame
-    plot: CostPlot | None
-    no_data: NoData | None
-
-
-@dataclass(frozen=True, slots=True)
-class Bar:
-    row_id: str  # its `data-id`: a tenant or endpoint id
-    value: str  # as shown, and its `data-value`
-    title: str
-    label: str  # cut to fit; the whole of it is in the title
-    text_y: int
-    rect_y: int
-    length: str
-
-
-@dataclass(frozen=True, slots=True)
-class BarPlot:
-    label_x: int  # where the labels end
-    bar_x: int
-    bar_width: int  # the track's, a full bar's
-    bar_height: int
-    value_x: int
-    colour: str
-    bars: tuple[Bar, ...]
-    axis: tuple[AxisLabel, ...]
-    more: str | None  # how many rows were left out, when any were
-
-
-@dataclass(frozen=True, slots=True)
-class BarChart:
-    """A horizontal bar chart: a plot, or (exactly one of the two) a message when it has no rows."""
-
-    frame: Frame
-    plot: BarPlot | None
-    no_data: NoData | None
-
-
-@dataclass(frozen=True, slots=True)
-class TenantRow:
-    """A row of the tenants' table; the last is the totals."""
-
-    name: str
-    requests: str
-    input_tokens: str
-    cached_input_tokens: str
-    output_tokens: str
-    cache_hit_rate: str
-    cost: str
-    cache_savings: str
-    total: bool
-
-
-@dataclass(frozen=True, slots=True)
-class BillingPage:
-    """The whole page, as templates/billing_page.html lays it out."""
-
-    period: str
-    cards: tuple[Card, ...]
-    empty_message: str | None  # said when the period has no usage
-    cost_per_day: CostChart
-    hit_rates: BarChart
-    endpoints: BarChart
-    max_endpoints: int
-    tenants: tuple[TenantRow, ...]  # empty (no table) when the period has no usage
-    currency: str
-    generated: str
 
 
 def template_engine() -> JinjaTemplateEngine:
