@@ -3,9 +3,10 @@
 Here lives the data side: the reports (`gather`), the period (`page_range`), and the building of the view model the
 templates lay out (`page_view`; its shapes, `BillingPage` and its parts, are in page_view.py): every figure
 formatted, every length computed. The markup, SVG and CSS live in templates/ (billing_page.html,
-billing_charts.html, billing_page.css), rendered by Litestar's Jinja engine with autoescaping on, so every string a tenant chose (tenant and endpoint names) is escaped wherever it
-lands without a call here. The controller answers a `Template` response through the app's engine; `render` gives
-the same bytes through an engine made the same way (`template_engine`), for tests.
+billing_charts.html, billing_page.css), rendered by Litestar's Jinja engine with autoescaping on, so every string a
+tenant chose (tenant and endpoint names) is escaped wherever it lands without a call here. The controller answers a
+`Template` response through the app's engine; `render` gives the same bytes through an engine made the same way
+(`template_engine`), for tests.
 
 Everything on the page is made on the server: inline CSS and inline SVG; no script, no font, no URL. The page goes
 out with a Content-Security-Policy that lets nothing load (`PAGE_HEADERS`), so a slip in a template cannot make a
