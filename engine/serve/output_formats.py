@@ -31,7 +31,7 @@ class StructuredOutputsField(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    json_: Annotated[Any, Field(alias="json")] = None  # a schema or its JSON text, checked by StructuredOutputsParams
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None

@@ -150,7 +150,9 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: StrictBool = False
     repetition_penalty: float | None = None
     # vLLM's structured outputs: the older guided_* fields and the newer structured_outputs object
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: Any = (
+        None  # a schema (object) or its JSON text: StructuredOutputsParams checks which, naming the field
+    )
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None

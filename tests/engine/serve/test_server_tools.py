@@ -229,6 +229,25 @@ def test_tools_and_calls_reach_the_template(tmp_path: Path) -> None:
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, None),
         ({"messages": [{"role": "tool", "content": "x"}]}, None),  # no tool_call_id
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),  # a keyword the grammar cannot enforce
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "text"}}}, None),
+        ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+        ({"guided_json": 5}, "guided_json"),
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": 5}}]}
+                ]
+            },
+            None,
+        ),
     ],
 )
 def test_malformed_tool_requests_are_400(url: str, extra: dict[str, Any], param: str | None) -> None:
