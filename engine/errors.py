@@ -23,3 +23,12 @@ class RequestError(EngineError, ValueError):
 class ContextLengthExceeded(RequestError):
     def __init__(self, message: str, *, param: str = "messages") -> None:
         super().__init__(message, code="context_length_exceeded", param=param)
+
+
+class EngineOverloaded(EngineError):
+    """The engine's waiting queue is full (requests or tokens): the request was refused before anything of it was
+    queued or allocated. `retry_after_s` is the engine's estimate of when the queue will have drained enough."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

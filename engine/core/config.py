@@ -27,6 +27,10 @@ class EngineConfig:
     max_num_seqs: int = 256  # requests running at once
     max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
     max_num_partial_prefills: int = 4  # requests whose prompt is split over steps at once
+    # The waiting queue's bounds: past either, a new request is refused (EngineOverloaded; the server's 503) instead
+    # of piling up. Tokens are those of the waiting requests' prompts. None: unbounded.
+    max_waiting_requests: int | None = 1024
+    max_waiting_tokens: int | None = 1_048_576
     # Reuse the K/V of full blocks a request's tokens start with (chained hashes; salted per tenant, per adapter).
     enable_prefix_caching: bool = True
     seed: int = 0  # default generator of unseeded sampling
@@ -68,6 +72,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.max_num_partial_prefills < 1:
             raise ValueError("max_num_partial_prefills must be at least 1")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be at least 1 (or None: unbounded)")
+        if self.max_waiting_tokens is not None and self.max_waiting_tokens < 1:
+            raise ValueError("max_waiting_tokens must be at least 1 (or None: unbounded)")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be at least 1")
         if self.max_loras < 1 or self.max_adapters_per_batch < 1:

@@ -21,7 +21,7 @@ from loraplex.engine.core.request_memory import RequestMemory
 from loraplex.engine.core.runner import ModelRunner
 from loraplex.engine.core.sampler import Sampler, SamplingMetadata
 from loraplex.engine.core.sampling_params import SamplingParams
-from loraplex.engine.core.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.core.scheduler import KeyService, QueueStats, Scheduler, SchedulerConfig
 from loraplex.engine.core.structured_output import CompiledGrammar, GrammarCompiler, GrammarState, fill_bitmasks
 from loraplex.engine.errors import ContextLengthExceeded, RequestError
 from loraplex.engine.lora.batch import LoraCompute
@@ -62,6 +62,10 @@ class EngineState:
     prefix_cache_hit_tokens: int = 0  # of those, served from the cache
     weight_bytes: int = 0  # the model's weights as kept (quantized ones with their scales)
     quantization: str | None = None  # None, "int8" or "int4" (quantized at load), "gptq" or "awq" (as stored)
+    num_waiting_tokens: int = 0  # tokens the waiting requests have to compute
+    num_batched_tokens: int = 0  # tokens computed by every step since start (the rate of work)
+    queues: tuple[QueueStats, ...] = ()  # waiting and running per (fairness key, priority)
+    keys: tuple[KeyService, ...] = ()  # each fairness key's VTC counter, tokens served, preemptions
 
 
 class EngineCore:
@@ -137,6 +141,7 @@ class EngineCore:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.num_batched_tokens = 0
         self.num_preemptions = 0
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(config.seed)
@@ -329,6 +334,7 @@ class EngineCore:
         logits = self.runner.execute(prepared)
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
+        self.num_batched_tokens += sched.num_batched_tokens
 
         rows = prepared.sample_requests
         if not rows:
@@ -387,6 +393,10 @@ class EngineCore:
             prefix_cache_hit_tokens=cache.stats.hit_tokens if cache is not None else 0,
             weight_bytes=self.weight_bytes,
             quantization=self.model.quantization_label,
+            num_waiting_tokens=self.scheduler.num_waiting_tokens,
+            num_batched_tokens=self.num_batched_tokens,
+            queues=tuple(self.scheduler.queue_stats()),
+            keys=tuple(self.scheduler.key_service()),
         )
 
     def reset_prefix_cache(self) -> int:

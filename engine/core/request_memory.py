@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from loraplex.engine.core.request import Request
 from loraplex.engine.lora.manager import AdapterManager, AdapterState
-from loraplex.engine.memory.kv_cache import KVCacheManager
+from loraplex.engine.memory.kv_cache import KVCacheManager, PrefixHit
 
 
 class Refusal(enum.Enum):
@@ -42,9 +42,13 @@ class RequestMemory:
         if request.adapter is not None:
             self._adapters.request_started(request.adapter)
 
-    def admit(self, request: Request, budget: int, *, reserve: int = 0) -> Admission | Refusal:
-        """Start a waiting request (which holds no blocks) with room for up to `budget` new tokens, keeping
-        `reserve` pages free for running requests; or refuse it, leaving the pool exactly as it was."""
+    def fits(self, request: Request, budget: int, *, reserve: int = 0) -> Refusal | None:
+        """Would `admit` start the request now? None if so, else why not; changes nothing."""
+        plan = self._plan(request, budget, reserve)
+        return plan if isinstance(plan, Refusal) else None
+
+    def _plan(self, request: Request, budget: int, reserve: int) -> tuple[PrefixHit, int] | Refusal:
+        """The cached prefix and the new tokens of an admission that fits, or why it does not."""
         entry = request.adapter
         adapter_pages = 0
         if entry is not None:
@@ -56,6 +60,16 @@ class RequestMemory:
         num_new = min(request.num_tokens - hit.num_tokens, budget)
         if not self.kv.pool.can_allocate(self.kv.admission_pages(request, hit, num_new) + adapter_pages + reserve):
             return Refusal.NO_ROOM
+        return hit, num_new
+
+    def admit(self, request: Request, budget: int, *, reserve: int = 0) -> Admission | Refusal:
+        """Start a waiting request (which holds no blocks) with room for up to `budget` new tokens, keeping
+        `reserve` pages free for running requests; or refuse it, leaving the pool exactly as it was."""
+        plan = self._plan(request, budget, reserve)
+        if isinstance(plan, Refusal):
+            return plan
+        hit, num_new = plan
+        entry = request.adapter
         # In an order that keeps each allocation from evicting what a later step takes: the cached prefix first,
         # then the adapter (placed and pinned), then the new blocks.
         self.kv.take_prefix(request, hit)

@@ -6,13 +6,17 @@ last, in this order: priority (lower first, vLLM's convention), then the fairnes
 far, then arrival. When a running request cannot get the pages it needs, one not yet scheduled this step is
 preempted, the least urgent, then of the most-served key, then the most recently started: its pages are freed and
 it waits again at the front of the queue, to be recomputed from its prompt and the tokens it already produced (so
-its output does not change).
+its output does not change). A waiting request more urgent than a running one does not wait for room either: when
+the pool or the sequence slots have none for it, running requests less urgent than it are preempted (least urgent
+first) until it fits.
 
 Service is S-LoRA's Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024),
 weighted: each key's counter grows by `input_token_weight` per prompt token computed and `output_token_weight` per
 token generated, divided by the key's weight, charged when the step is scheduled. A key that has no request waiting
 or running earns nothing while idle: when it comes back its counter is lifted to the lowest counter among the keys
 with requests. With one key (every request's is "" unless a caller sets one) the order is first come, first served.
+A key idle long enough that the lowest active counter has passed its own is forgotten (it would be lifted anyway),
+so a stream of one-off keys (the engine server's `user` fallback) does not grow the books without bound.
 """
 
 from __future__ import annotations
@@ -36,6 +40,31 @@ class SchedulerConfig:
     # VTC's cost of a prompt token and of a generated token (the paper's 1 and 2).
     input_token_weight: float = 1.0
     output_token_weight: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """Requests of one (fairness key, priority) waiting and running, as of a snapshot."""
+
+    fairness_key: str
+    priority: int
+    num_waiting: int
+    num_running: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeyService:
+    """One fairness key's books: its VTC counter, the tokens computed for it (prompt and generated) and how many of
+    its requests were preempted, since the key was first seen (or last forgotten)."""
+
+    fairness_key: str
+    service: float
+    num_served_tokens: int
+    num_preemptions: int
+
+
+# Idle keys' books are pruned once this many keys are known (see the module's docstring).
+_PRUNE_KEYS_ABOVE = 4096
 
 
 @dataclass(slots=True)
@@ -70,18 +99,42 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._running_adapters: dict[str, int] = {}  # digest -> running requests with it
+        self.num_waiting_tokens = 0  # tokens the waiting requests have to compute (prompts, and outputs to redo)
         self.service: dict[str, float] = {}  # the VTC counter of each fairness key seen
         self._num_active: dict[str, int] = {}  # fairness key -> its requests waiting or running
+        self._served_tokens: dict[str, int] = {}  # fairness key -> tokens computed for it
+        self._preemptions: dict[str, int] = {}  # fairness key -> its requests preempted
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.memory.queued(request)
-        self.waiting.append(request)
+        self._enqueue(request)
         key = request.fairness_key
         if not self._num_active.get(key):  # back from idle (or new): no credit for the time away
             active = [self.service[k] for k, n in self._num_active.items() if n and k != key]
             self.service[key] = max(self.service.get(key, 0.0), min(active, default=0.0))
+            if len(self.service) > _PRUNE_KEYS_ABOVE:
+                self._forget_idle_keys(min(active, default=0.0))
         self._num_active[key] = self._num_active.get(key, 0) + 1
+
+    def _forget_idle_keys(self, floor: float) -> None:
+        """Drop the books of idle keys whose counter is at or below `floor`, the lowest active one: a key that comes
+        back is lifted to the lowest active counter, so forgetting it changes no decision."""
+        for key in [k for k, v in self.service.items() if not self._num_active.get(k) and v <= floor]:
+            del self.service[key]
+            self._served_tokens.pop(key, None)
+            self._preemptions.pop(key, None)
+
+    def _enqueue(self, request: Request, *, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+        self.num_waiting_tokens += request.num_tokens
+
+    def _dequeue(self, request: Request) -> None:
+        self.waiting.remove(request)
+        self.num_waiting_tokens -= request.num_tokens
 
     def _charge(self, scheduled: ScheduledRequest) -> None:
         """Add a scheduled chunk's cost to its key's counter: its prompt tokens, and the token it will sample."""
@@ -93,6 +146,7 @@ class Scheduler:
             cost += self.config.output_token_weight
         key = request.fairness_key
         self.service[key] = self.service.get(key, 0.0) + cost / request.fairness_weight
+        self._served_tokens[key] = self._served_tokens.get(key, 0) + scheduled.num_new_tokens
 
     def _urgency(self, request: Request) -> tuple[int, float]:
         """Lower goes first: priority, then the key's service so far."""
@@ -104,6 +158,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._make_room_for_urgent(out, budget)
+        num_urgent_preemptions = len(out.preempted)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -126,11 +182,35 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing behind it is left to schedule
 
-        # No new admissions in a step that had to preempt: the pool is full.
-        if not out.preempted:
+        # No new admissions in a step whose running requests had to preempt: the pool is full.
+        if len(out.preempted) == num_urgent_preemptions:
             budget = self._admit(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _make_room_for_urgent(self, out: SchedulerOutput, budget: int) -> None:
+        """Preempt running requests less urgent than the most urgent waiting one while it cannot start for lack of
+        pages or sequence slots (least urgent first, as under memory pressure). A request that could not start
+        anyway (its adapter still loading, or another choice of its prompt not prefilled yet) preempts nobody."""
+        if not self.waiting or not self.running:
+            return
+        urgent = min(self.waiting, key=lambda r: r.priority)  # the first of the most urgent: min keeps the first
+        if urgent.priority >= max(r.priority for r in self.running):
+            return
+        if urgent.prefill_after is not None and not urgent.prefill_after.is_prefilled:
+            return
+        while True:
+            less_urgent = [j for j, r in enumerate(self.running) if r.priority > urgent.priority]
+            if not less_urgent:
+                return
+            if len(self.running) < self.config.max_num_seqs:
+                fit = self.memory.fits(urgent, budget, reserve=self.config.watermark_pages)
+                if fit is not Refusal.NO_ROOM:
+                    return  # it fits, or it waits for its adapter: nobody need make room
+            index = max(less_urgent, key=lambda j: (*self._urgency(self.running[j]), j))
+            victim = self.running.pop(index)
+            self._preempt(victim)
+            out.preempted.append(victim)
 
     def _victim(self, first: int) -> Request:
         """The request to preempt among running[first:] (those not scheduled yet this step): the least urgent, of
@@ -172,7 +252,7 @@ class Scheduler:
                 continue
             if admission is Refusal.NO_ROOM:
                 break
-            self.waiting.remove(request)
+            self._dequeue(request)
             request.num_computed_tokens = admission.num_cached_tokens
             if request.num_preemptions == 0:
                 request.num_cached_tokens = min(admission.num_cached_tokens, request.num_prompt_tokens)
@@ -227,7 +307,9 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
+        key = request.fairness_key
+        self._preemptions[key] = self._preemptions.get(key, 0) + 1
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of the queues and give back its memory (finished, aborted or failed)."""
@@ -237,10 +319,26 @@ class Scheduler:
         else:
             self.memory.release(request, running=False)
             if request in self.waiting:
-                self.waiting.remove(request)
+                self._dequeue(request)
         self.memory.finished(request)
         request.status = status
         key = request.fairness_key
         self._num_active[key] -= 1
         if not self._num_active[key]:
             del self._num_active[key]
+
+    def queue_stats(self) -> list[QueueStats]:
+        """Waiting and running requests per (fairness key, priority), sorted."""
+        counts: dict[tuple[str, int], list[int]] = {}
+        for request in self.waiting:
+            counts.setdefault((request.fairness_key, request.priority), [0, 0])[0] += 1
+        for request in self.running:
+            counts.setdefault((request.fairness_key, request.priority), [0, 0])[1] += 1
+        return [QueueStats(key, priority, w, r) for (key, priority), (w, r) in sorted(counts.items())]
+
+    def key_service(self) -> list[KeyService]:
+        """Every known key's books, sorted by key."""
+        return [
+            KeyService(key, service, self._served_tokens.get(key, 0), self._preemptions.get(key, 0))
+            for key, service in sorted(self.service.items())
+        ]

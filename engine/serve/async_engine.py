@@ -8,6 +8,12 @@ the loader's exception so a server can tell the client's fault (an AdapterError)
 
 Adapters leave memory through `unload_adapter`, which the engine thread runs between steps: at once when no
 request uses the adapter, otherwise as soon as the last one finishes.
+
+The waiting queue is bounded (EngineConfig.max_waiting_requests, max_waiting_tokens): `submit` refuses a request
+that would take it past a bound with EngineOverloaded, at once and before anything is queued, so a server can
+answer 503 before its first byte. The count it checks is the engine's latest snapshot of its queue plus the requests
+submitted since, so it never undercounts; a refusal carries a Retry-After estimate, the time the engine's recent rate
+of work needs to compute the tokens waiting.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 
@@ -24,7 +32,7 @@ from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.engine_core import CheckedPrompt, EngineCore, EngineState
 from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.core.sampling_params import SamplingParams
-from loraplex.engine.errors import EngineError
+from loraplex.engine.errors import EngineError, EngineOverloaded
 from loraplex.engine.lora import AdapterError
 from loraplex.engine.lora.manager import AdapterEntry, AdapterState
 from loraplex.engine.lora.ref import AdapterRef, LoRARequest
@@ -99,6 +107,68 @@ class _Sink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+# Refusals are counted per (fairness key, priority) for the first this many pairs, then under "(other)": a stream of
+# one-off keys (the server's `user` fallback) must not grow the books without bound.
+_MAX_REFUSAL_KEYS = 1024
+MAX_RETRY_AFTER_S = 60
+
+
+@dataclass(frozen=True, slots=True)
+class QueueBounds:
+    """The waiting queue's limits (None: unbounded)."""
+
+    max_waiting_requests: int | None
+    max_waiting_tokens: int | None
+
+    def refusal(self, num_waiting: int, num_waiting_tokens: int, num_tokens: int) -> str | None:
+        """Why one more request of `num_tokens` cannot join a queue of `num_waiting` requests holding
+        `num_waiting_tokens`; None when it can. An empty queue takes any request (its context bounds it)."""
+        if num_waiting == 0:
+            return None
+        if self.max_waiting_requests is not None and num_waiting >= self.max_waiting_requests:
+            return f"{num_waiting} requests are waiting (the limit is {self.max_waiting_requests})"
+        if self.max_waiting_tokens is not None and num_waiting_tokens + num_tokens > self.max_waiting_tokens:
+            return (
+                f"{num_waiting_tokens} tokens are waiting and this request adds {num_tokens} "
+                f"(the limit is {self.max_waiting_tokens})"
+            )
+        return None
+
+
+class RequestStream:
+    """One submitted request's outputs, as an async iterator; the last has `finished` set. Closing it (`aclose`)
+    before then aborts the request and frees its pages. Raises what `AsyncEngine.generate` documents."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, sink: _Sink) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._sink = sink
+        self._finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        item = await self._sink.queue.get()
+        if isinstance(item, RequestFailed):
+            self._finished = True  # the engine has already let go of it
+            raise item
+        if isinstance(item, BaseException):
+            raise item
+        self._finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine._abort_soon(self.request_id)
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
@@ -110,6 +180,17 @@ class AsyncEngine:
         self._adapter_states: dict[str, AdapterState] = {}
         self._unload_later: set[str] = set()  # digests to drop once no request uses them (engine thread's)
         self._error: BaseException | None = None
+        config = core.config
+        self.bounds = QueueBounds(config.max_waiting_requests, config.max_waiting_tokens)
+        # Requests submitted but not yet in a snapshot (the engine thread's `_snapshot` takes them off), and the
+        # refusals; under `_lock`, which `submit` (the loop) and `_snapshot` (the engine thread) share.
+        self._lock = threading.Lock()
+        self._num_pending = 0
+        self._num_pending_tokens = 0
+        self._drained = (0, 0)  # requests and tokens added by the engine thread since its last snapshot
+        self._refusals: dict[tuple[str, int], int] = {}
+        self._token_rate = 0.0  # tokens computed per second, a moving average over recent steps
+        self._last_work = (time.monotonic(), 0)
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -149,11 +230,48 @@ class AsyncEngine:
         `prefill_after`: the id of another choice of the same prompt, which this one waits for (see
         `EngineCore.add_request`); `fairness_key`, `fairness_weight` and `priority`: see `EngineCore.add_request`.
 
-        Raises RequestError for an invalid request (before anything is yielded), RequestFailed if the engine
+        Raises RequestError for an invalid request and EngineOverloaded when the waiting queue is full (both before
+        anything is yielded), RequestFailed if the engine
         finishes it with an error (its adapter could not be loaded), and EngineDeadError if the engine fails while
         the request runs. A prompt the caller checked already (`core.check_request`) comes as the CheckedPrompt,
         without `sampling_params`, and is not checked again.
         """
+        stream = self.submit(
+            prompt,
+            sampling_params,
+            request_id,
+            add_special_tokens=add_special_tokens,
+            lora=lora,
+            cache_salt=cache_salt,
+            prefill_after=prefill_after,
+            fairness_key=fairness_key,
+            fairness_weight=fairness_weight,
+            priority=priority,
+        )
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    def submit(
+        self,
+        prompt: str | list[int] | CheckedPrompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        add_special_tokens: bool = True,
+        lora: AdapterRef | None = None,
+        cache_salt: str | None = None,
+        prefill_after: str | None = None,
+        fairness_key: str = "",
+        fairness_weight: float = 1.0,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Queue a request now and return its outputs' stream (`generate` without its lazy start): a caller that
+        must know the request was taken before it answers (a server, before its first byte) submits, then iterates.
+        Raises at once what `generate` raises before its first output, and EngineOverloaded when the waiting queue
+        is full. Called on the event loop the stream is read on."""
         if self._error is not None:
             raise EngineDeadError("the engine has failed; restart it") from self._error
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -161,6 +279,23 @@ class AsyncEngine:
         if isinstance(prompt, str):
             prompt = self.core.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         checked = self.core.checked(prompt, sampling_params)
+        num_tokens = len(checked.token_ids)
+        with self._lock:
+            state = self._state
+            num_waiting = state.num_waiting + self._num_pending
+            num_waiting_tokens = state.num_waiting_tokens + self._num_pending_tokens
+            refusal = self.bounds.refusal(num_waiting, num_waiting_tokens, num_tokens)
+            if refusal is not None:
+                label = (fairness_key, priority)
+                if label not in self._refusals and len(self._refusals) >= _MAX_REFUSAL_KEYS:
+                    label = ("(other)", priority)
+                self._refusals[label] = self._refusals.get(label, 0) + 1
+                raise EngineOverloaded(
+                    f"The engine is overloaded: {refusal}. Retry shortly.",
+                    retry_after_s=self._retry_after(num_waiting_tokens),
+                )
+            self._num_pending += 1
+            self._num_pending_tokens += num_tokens
         sink = _Sink(asyncio.get_running_loop())
         self._commands.put(
             _Add(
@@ -177,23 +312,22 @@ class AsyncEngine:
             )
         )
         self._wakeup.set()
-        finished = False
-        try:
-            while True:
-                item = await sink.queue.get()
-                if isinstance(item, RequestFailed):
-                    finished = True  # the engine has already let go of it
-                    raise item
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._commands.put(_Abort(request_id))
-                self._wakeup.set()
+        return RequestStream(self, request_id, sink)
+
+    def _retry_after(self, num_waiting_tokens: int) -> int:
+        """Whole seconds the recent rate of work needs for the waiting tokens, from 1 to MAX_RETRY_AFTER_S."""
+        if self._token_rate <= 0:
+            return 1
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(num_waiting_tokens / self._token_rate)))
+
+    def refusals(self) -> dict[tuple[str, int], int]:
+        """Requests refused for a full queue, by (fairness key, priority), since start."""
+        with self._lock:
+            return dict(self._refusals)
+
+    def _abort_soon(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+        self._wakeup.set()
 
     async def resolve_lora(self, lora: LoRARequest) -> AdapterRef:
         """Hash an adapter's files off the event loop; the ref names it in `generate`."""
@@ -212,8 +346,7 @@ class AsyncEngine:
         return await command.done
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
-        self._wakeup.set()
+        self._abort_soon(request_id)
 
     async def shutdown(self) -> None:
         self._commands.put(None)
@@ -233,6 +366,7 @@ class AsyncEngine:
                     self._snapshot()
                     self._wakeup.wait()
                     self._wakeup.clear()
+                    self._last_work = (time.monotonic(), self._last_work[1])  # idle time is no slow work
                     continue
                 for output in self.core.step():
                     self._deliver(output)
@@ -247,7 +381,19 @@ class AsyncEngine:
             self._fail_queued_unloads(dead)
 
     def _snapshot(self) -> None:
-        self._state = self.core.state()
+        state = self.core.state()
+        now = time.monotonic()
+        last_at, last_tokens = self._last_work
+        if state.num_batched_tokens > last_tokens and now > last_at:
+            rate = (state.num_batched_tokens - last_tokens) / (now - last_at)
+            self._token_rate = rate if self._token_rate == 0 else 0.8 * self._token_rate + 0.2 * rate
+        self._last_work = (now, state.num_batched_tokens)
+        with self._lock:  # the new snapshot counts the requests drained since the last: they are no longer pending
+            self._state = state
+            num_requests, num_tokens = self._drained
+            self._num_pending -= num_requests
+            self._num_pending_tokens -= num_tokens
+            self._drained = (0, 0)
         self._adapter_states = {digest: entry.state for digest, entry in self.core.adapters.entries.items()}
 
     def _adapter_in_use(self, digest: str) -> bool:
@@ -297,6 +443,8 @@ class AsyncEngine:
                 if output is not None and sink is not None:
                     sink.put(output)
                 continue
+            num_requests, num_tokens = self._drained
+            self._drained = (num_requests + 1, num_tokens + len(command.checked.token_ids))
             try:
                 request = self.core.add_request(
                     command.request_id,

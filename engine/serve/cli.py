@@ -66,6 +66,20 @@ def engine() -> None:
 @click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Requests running at once.")
 @click.option("--max-num-batched-tokens", type=int, default=4096, show_default=True, help="Token budget of one step.")
 @click.option(
+    "--max-waiting-requests",
+    type=click.IntRange(min=0),
+    default=1024,
+    show_default=True,
+    help="Requests the queue holds before new ones are refused with 503 overloaded (0: unbounded).",
+)
+@click.option(
+    "--max-waiting-tokens",
+    type=click.IntRange(min=0),
+    default=1_048_576,
+    show_default=True,
+    help="Prompt tokens the queue holds before new requests are refused with 503 overloaded (0: unbounded).",
+)
+@click.option(
     "--enable-prefix-caching/--no-enable-prefix-caching",
     default=True,
     show_default=True,
@@ -159,6 +173,8 @@ def engine_serve(
     block_size: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    max_waiting_requests: int,
+    max_waiting_tokens: int,
     enable_prefix_caching: bool,
     served_model_name: str | None,
     seed: int,
@@ -252,6 +268,8 @@ def engine_serve(
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            max_waiting_requests=max_waiting_requests or None,
+            max_waiting_tokens=max_waiting_tokens or None,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
             num_threads=num_threads,

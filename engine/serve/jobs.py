@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
 from litestar import Request
@@ -18,6 +18,7 @@ from loraplex.engine.core.outputs import PositionLogprobs, RequestOutput
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.lora.ref import AdapterRef
 from loraplex.engine.serve.api_errors import ClientDisconnected
+from loraplex.engine.serve.async_engine import RequestStream
 from loraplex.engine.serve.protocol import Usage
 
 T = TypeVar("T")
@@ -50,6 +51,13 @@ class Job:
     fairness_key: str = ""
     fairness_weight: float = 1.0
     priority: int = 0
+    service_tier: str = "default"  # OpenAI's tier the request is served in, echoed in responses
+    streams: list[RequestStream] = field(default_factory=list)  # each choice's, once submitted (`Serving.start`)
+
+    def close(self) -> None:
+        """Abort every submitted choice that has not finished (idempotent): the job's answer ended, or never began."""
+        for stream in self.streams:
+            stream.close()
 
     @property
     def num_choices(self) -> int:

@@ -8,7 +8,7 @@ are read from the engine's latest state snapshot when scraped, so they can never
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,9 +46,15 @@ class RequestRecord:
 class _StateCollector(Collector):
     """Reads the engine's state snapshot at scrape time."""
 
-    def __init__(self, state: Callable[[], EngineState], is_healthy: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        state: Callable[[], EngineState],
+        is_healthy: Callable[[], bool],
+        refusals: Callable[[], Mapping[tuple[str, int], int]],
+    ) -> None:
         self._state = state
         self._is_healthy = is_healthy
+        self._refusals = refusals
 
     def collect(self) -> Iterable[Metric]:
         state = self._state()
@@ -69,10 +75,62 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             f"{_PREFIX}_weight_bytes", "Bytes of model weights held (quantized ones with scales).", state.weight_bytes
         )
+        yield GaugeMetricFamily(
+            f"{_PREFIX}_num_tokens_waiting", "Tokens the waiting requests have to compute.", state.num_waiting_tokens
+        )
+        yield from self._fairness(state)
+
+    def _fairness(self, state: EngineState) -> Iterable[Metric]:
+        """Fair share: queues per fairness key and priority, each key's VTC books, refusals of a full queue."""
+        labels = ["fairness_key", "priority"]
+        waiting = GaugeMetricFamily(
+            f"{_PREFIX}_fairness_requests_waiting", "Requests waiting, by fairness key and priority.", labels=labels
+        )
+        running = GaugeMetricFamily(
+            f"{_PREFIX}_fairness_requests_running", "Requests running, by fairness key and priority.", labels=labels
+        )
+        for queue in state.queues:
+            waiting.add_metric([queue.fairness_key, str(queue.priority)], queue.num_waiting)
+            running.add_metric([queue.fairness_key, str(queue.priority)], queue.num_running)
+        yield waiting
+        yield running
+        service = GaugeMetricFamily(
+            f"{_PREFIX}_fairness_service",
+            "Each fairness key's Virtual Token Counter (weighted service; idle keys are lifted to the lowest active).",
+            labels=["fairness_key"],
+        )
+        served = CounterMetricFamily(
+            f"{_PREFIX}_fairness_served_tokens",
+            "Tokens computed (prompt and generated), by fairness key.",
+            labels=["fairness_key"],
+        )
+        preempted = CounterMetricFamily(
+            f"{_PREFIX}_fairness_preemptions", "Requests preempted, by fairness key.", labels=["fairness_key"]
+        )
+        for key in state.keys:
+            service.add_metric([key.fairness_key], key.service)
+            served.add_metric([key.fairness_key], key.num_served_tokens)
+            preempted.add_metric([key.fairness_key], key.num_preemptions)
+        yield service
+        yield served
+        yield preempted
+        refused = CounterMetricFamily(
+            f"{_PREFIX}_requests_refused",
+            "Requests refused with 503 overloaded (the waiting queue was full), by fairness key and priority.",
+            labels=labels,
+        )
+        for (key_name, priority), count in sorted(self._refusals().items()):
+            refused.add_metric([key_name, str(priority)], count)
+        yield refused
 
 
 class EngineMetrics:
-    def __init__(self, state: Callable[[], EngineState], is_healthy: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        state: Callable[[], EngineState],
+        is_healthy: Callable[[], bool],
+        refusals: Callable[[], Mapping[tuple[str, int], int]] = dict,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             f"{_PREFIX}_requests",
@@ -111,7 +169,7 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(state, is_healthy))
+        self.registry.register(_StateCollector(state, is_healthy, refusals))
 
     def record(self, record: RequestRecord) -> None:
         self.requests.labels(record.finish_reason).inc()

@@ -121,6 +121,10 @@ class LoraAdapterSpec(BaseModel):
         return digest
 
 
+# OpenAI's service tiers as scheduler priorities (lower is served first, vLLM's convention).
+SERVICE_TIER_PRIORITY: dict[str, int] = {"priority": -1, "default": 0, "flex": 1}
+
+
 class _SamplingFields(_Request):
     """Fields both APIs share, mapped to SamplingParams in one place."""
 
@@ -157,14 +161,27 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsField | None = None
-    # vLLM's priority (lower first); ours: whose request this is (fair share; `user` when absent), and its weight
+    # vLLM's priority (lower first), OpenAI's service tier (its priority when `priority` is not given); ours: whose
+    # request this is (fair share; `user` when absent), and its weight
     priority: StrictInt = 0
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     fairness_key: Annotated[str, StringConstraints(max_length=256)] | None = None
     fairness_weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
 
     @property
     def share_key(self) -> str:
         return self.fairness_key if self.fairness_key is not None else (self.user or "")
+
+    @property
+    def resolved_service_tier(self) -> str:
+        return "default" if self.service_tier in (None, "auto") else str(self.service_tier)
+
+    @property
+    def effective_priority(self) -> int:
+        """`priority` when given, else the service tier's: flex below default below priority."""
+        if "priority" in self.model_fields_set:
+            return self.priority
+        return SERVICE_TIER_PRIORITY[self.resolved_service_tier]
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -335,6 +352,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 # A stream's chunks have the same shape as the response (OpenAI's object is "text_completion" for both).
@@ -533,6 +551,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 class DeltaMessage(WithoutNulls):
@@ -559,6 +578,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 # --- /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) ----------------------------------------------------

@@ -41,7 +41,7 @@ from litestar.response import Stream
 from pydantic import BaseModel
 
 from loraplex.engine.core.config import EngineConfig
-from loraplex.engine.errors import EngineError, RequestError
+from loraplex.engine.errors import EngineError, EngineOverloaded, RequestError
 from loraplex.engine.lora.ref import LoRARequest
 from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected
 from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed
@@ -86,6 +86,8 @@ def _error_detail(exc: BaseException, request: Request[Any, Any, Any] | None = N
         status_code, message, code, param = exc.status_code, exc.message, exc.code, exc.param
     elif isinstance(exc, EngineDeadError):
         status_code, message, code = 503, str(exc), "engine_unavailable"
+    elif isinstance(exc, EngineOverloaded):
+        status_code, message, code = 503, str(exc), "overloaded"
     elif isinstance(exc, RequestFailed):
         # The adapter's fault (bad files, too large for this pool) is the client's; anything else is ours.
         status_code, message, code = (400 if exc.is_client_error else 500), str(exc), "lora_adapter_load_failed"
@@ -138,11 +140,14 @@ def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
 def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     """The app's one exception handler: routing, body validation, request and engine errors alike."""
     status_code, detail = _error_detail(exc, request)
-    return _json(ErrorResponse(error=detail), status_code=status_code)
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, EngineOverloaded) else None
+    return _json(ErrorResponse(error=detail), status_code=status_code, headers=headers)
 
 
-def _json(model: BaseModel, *, status_code: int = 200) -> Response[bytes]:
-    return Response(model.model_dump_json().encode(), status_code=status_code, media_type="application/json")
+def _json(model: BaseModel, *, status_code: int = 200, headers: dict[str, str] | None = None) -> Response[bytes]:
+    return Response(
+        model.model_dump_json().encode(), status_code=status_code, media_type="application/json", headers=headers
+    )
 
 
 def _sse(model: BaseModel) -> str:
@@ -177,8 +182,10 @@ def _stream(job: Job, chunks: AsyncGenerator[BaseModel, None]) -> Stream:
 
     async def close() -> None:
         # Litestar does not close an iterator it stops reading (a send that failed on a dead connection): closing
-        # it here aborts the engine requests at once instead of whenever the generator is collected.
+        # it here aborts the engine requests at once instead of whenever the generator is collected. The job's own
+        # close covers a body never started (the client gone before the first chunk).
         await body.aclose()
+        job.close()
 
     return Stream(
         body,
@@ -209,24 +216,30 @@ class OpenAIController(Controller):
         self, data: JSONBody[CompletionRequest], request: Request[Any, Any, Any], serving: Serving
     ) -> Response[Any]:
         job = await serving.completion_job(data)
+        serving.start(job)  # a full queue answers 503 here, before any byte
         if data.stream:
             return _stream(job, serving.complete_stream(job, data))
         try:
             return _json(await serving.complete(job, data, request))
         except ClientDisconnected:
             return _client_closed()
+        finally:
+            job.close()
 
     @post("/chat/completions", status_code=200, summary="Create a chat completion")
     async def chat_completions(
         self, data: JSONBody[ChatCompletionRequest], request: Request[Any, Any, Any], serving: Serving
     ) -> Response[Any]:
         job = await serving.chat_job(data)
+        serving.start(job)  # a full queue answers 503 here, before any byte
         if data.stream:
             return _stream(job, serving.chat_stream(job, data))
         try:
             return _json(await serving.chat(job, data, request))
         except ClientDisconnected:
             return _client_closed()
+        finally:
+            job.close()
 
     @get("/models", summary="The base model and its LoRA adapters")
     async def models(self, serving: Serving) -> Response[bytes]:

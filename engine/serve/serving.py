@@ -117,7 +117,7 @@ class OpenAIServing:
         self.max_model_len = engine.core.max_model_len
         self.created = int(time.time())
         self.loras = loras if loras is not None else LoraRegistry(engine, self.model_name)
-        self.metrics = EngineMetrics(engine.state, lambda: engine.is_healthy)
+        self.metrics = EngineMetrics(engine.state, lambda: engine.is_healthy, engine.refusals)
         self.lora_metrics = LoraMetrics(
             self.metrics.registry, self._num_resident_adapters, lambda: len(self.loras.adapters())
         )
@@ -197,7 +197,8 @@ class OpenAIServing:
             params.n,
             body.share_key,
             body.fairness_weight,
-            body.priority,
+            body.effective_priority,
+            body.resolved_service_tier,
         )
         if body.unknown_fields:
             logger.warning("%s: ignoring unknown fields %s", job.response_id, ", ".join(body.unknown_fields))
@@ -254,17 +255,8 @@ class OpenAIServing:
         last: RequestOutput | None = None
         failed = False
         try:
-            outputs = self.engine.generate(
-                job.checked(index),
-                request_id=request_id,
-                lora=job.lora,
-                cache_salt=job.cache_salt,
-                prefill_after=job.prefill_after(index),
-                fairness_key=job.fairness_key,
-                fairness_weight=job.fairness_weight,
-                priority=job.priority,
-            )
-            # Closing the generator is what aborts the request.
+            outputs = job.streams[index]
+            # Closing the stream is what aborts the request.
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     if first_token_at is None and output.outputs[0].token_ids:
@@ -309,6 +301,27 @@ class OpenAIServing:
                 "-" if record.time_to_first_token_s is None else f"{record.time_to_first_token_s:.3f} s",
                 record.latency_s,
             )
+
+    def start(self, job: Job) -> None:
+        """Queue every choice of the job in the engine, now: EngineOverloaded (or any error of a submission) comes
+        before the answer's first byte, and leaves none of the job's requests queued."""
+        try:
+            for index in range(job.num_choices):
+                job.streams.append(
+                    self.engine.submit(
+                        job.checked(index),
+                        request_id=job.request_id(index),
+                        lora=job.lora,
+                        cache_salt=job.cache_salt,
+                        prefill_after=job.prefill_after(index),
+                        fairness_key=job.fairness_key,
+                        fairness_weight=job.fairness_weight,
+                        priority=job.priority,
+                    )
+                )
+        except BaseException:
+            job.close()
+            raise
 
     def _outputs(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         return merge([self._generate(job, i) for i in range(job.num_choices)])
@@ -361,13 +374,23 @@ class OpenAIServing:
                 )
             )
         return CompletionResponse(
-            id=job.response_id, created=job.created, model=job.model, choices=choices, usage=job_usage(job, finals)
+            id=job.response_id,
+            created=job.created,
+            model=job.model,
+            choices=choices,
+            usage=job_usage(job, finals),
+            service_tier=job.service_tier,
         )
 
     async def complete_stream(self, job: Job, body: CompletionRequest) -> AsyncGenerator[BaseModel, None]:
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionChunk:
             return CompletionChunk(
-                id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
+                id=job.response_id,
+                created=job.created,
+                model=job.model,
+                choices=choices,
+                usage=usage,
+                service_tier=job.service_tier,
             )
 
         continuous = body.continuous_usage
@@ -421,7 +444,12 @@ class OpenAIServing:
                 )
             )
         return ChatCompletionResponse(
-            id=job.response_id, created=job.created, model=job.model, choices=choices, usage=job_usage(job, finals)
+            id=job.response_id,
+            created=job.created,
+            model=job.model,
+            choices=choices,
+            usage=job_usage(job, finals),
+            service_tier=job.service_tier,
         )
 
     def _tool_calls(self, body: ChatCompletionRequest, text: str) -> tuple[str | None, list[ParsedToolCall]]:
@@ -439,7 +467,12 @@ class OpenAIServing:
     async def chat_stream(self, job: Job, body: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(
-                id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
+                id=job.response_id,
+                created=job.created,
+                model=job.model,
+                choices=choices,
+                usage=usage,
+                service_tier=job.service_tier,
             )
 
         continuous = body.continuous_usage

@@ -183,6 +183,84 @@ def test_priorities_order_admission_and_preemption() -> None:
     assert preempted and all(r is low for r in preempted)
 
 
+def test_an_urgent_arrival_preempts_a_less_urgent_running_request() -> None:
+    # A request of 27 tokens holds 7 of the 14 pages; a more urgent one whose 30-token prompt needs 8 takes its place.
+    sched = scheduler(pages=14, budget=64, max_seqs=4)
+    run = Run(sched)
+    low = request("a", 8, 30, priority=1)
+    sched.add(low)
+    for _ in range(20):
+        run.step()
+    assert low in sched.running and len(low.output_token_ids) > 5
+    urgent = request("b", 30, 4, priority=0)
+    sched.add(urgent)
+    out = run.step()
+    assert out.preempted == [low]
+    assert urgent in sched.running and low in sched.waiting
+    # An equally urgent arrival waits its turn instead: nobody is preempted for it.
+    sched = scheduler(pages=14, budget=64, max_seqs=4)
+    run = Run(sched)
+    first = request("a", 8, 30)
+    sched.add(first)
+    for _ in range(20):
+        run.step()
+    sched.add(request("b", 30, 4))
+    assert all(not run.step().preempted for _ in range(5)) and first in sched.running
+
+
+def test_an_urgent_arrival_takes_a_sequence_slot_from_a_less_urgent_request() -> None:
+    sched = scheduler(max_seqs=1)
+    run = Run(sched)
+    low = request("a", 4, 50, priority=3)
+    sched.add(low)
+    run.step()
+    urgent = request("b", 4, 2, priority=-1)
+    sched.add(urgent)
+    out = run.step()
+    assert out.preempted == [low] and [s.request for s in out.scheduled] == [urgent]
+    while urgent.status.name == "RUNNING" or urgent in sched.waiting:
+        run.step()
+    run.step()
+    assert low in sched.running  # back once the urgent one finished, recomputed from its tokens
+    assert low.num_preemptions == 1
+    assert {k.fairness_key: k.num_preemptions for k in sched.key_service()} == {"a": 1, "b": 0}
+
+
+def test_the_queue_counts_its_tokens_and_stats() -> None:
+    sched = scheduler(max_seqs=1)
+    a, b, c = request("a", 10, 2), request("b", 7, 2, priority=1), request("a", 5, 2)
+    for r in (a, b, c):
+        sched.add(r)
+    assert sched.num_waiting_tokens == 22
+    Run(sched).step()  # a starts
+    assert sched.num_waiting_tokens == 12
+    assert [(q.fairness_key, q.priority, q.num_waiting, q.num_running) for q in sched.queue_stats()] == [
+        ("a", 0, 1, 1),
+        ("b", 1, 1, 0),
+    ]
+    sched.finish(b, b.status.FINISHED_ABORTED)
+    assert sched.num_waiting_tokens == 5
+    served = {k.fairness_key: k.num_served_tokens for k in sched.key_service()}
+    assert served == {"a": 10, "b": 0}
+
+
+def test_idle_keys_books_are_forgotten_past_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import loraplex.engine.core.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "_PRUNE_KEYS_ABOVE", 8)
+    sched = scheduler(max_seqs=4)
+    run = Run(sched)
+    busy = request("busy", 40, 200)
+    sched.add(busy)
+    for i in range(20):  # one-off keys, each served once and gone
+        one_off = request(f"user{i}", 4, 1)
+        sched.add(one_off)
+        while one_off.status.name in ("WAITING", "RUNNING"):
+            run.step()
+    assert len(sched.service) <= 9 + 1  # the limit, the busy key and the newest
+    assert "busy" in sched.service
+
+
 def test_the_offline_api_takes_keys_and_priorities(tmp_path: Path) -> None:
     llm = LLM(write_random_model(tmp_path / "m", tiny_spec()), device="cpu", dtype="float32")
     params = SamplingParams(max_tokens=3, ignore_eos=True)
