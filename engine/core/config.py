@@ -27,6 +27,9 @@ class EngineConfig:
     max_num_seqs: int = 256  # requests running at once
     max_num_batched_tokens: int = 4096  # token budget of one step (prefill chunks + decodes)
     max_num_partial_prefills: int = 4  # requests whose prompt is split over steps at once
+    # "fair": admission by priority, then the least-served fairness key (weighted VTC), then arrival; "fcfs": arrival
+    # alone, as vLLM's default.
+    scheduling_policy: Literal["fair", "fcfs"] = "fair"
     # The waiting queue's bounds: past either, a new request is refused (EngineOverloaded; the server's 503) instead
     # of piling up. Tokens are those of the waiting requests' prompts. None: unbounded.
     max_waiting_requests: int | None = 1024
@@ -72,6 +75,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.max_num_partial_prefills < 1:
             raise ValueError("max_num_partial_prefills must be at least 1")
+        if self.scheduling_policy not in ("fair", "fcfs"):
+            raise ValueError(f"scheduling_policy must be 'fair' or 'fcfs', not {self.scheduling_policy!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be at least 1 (or None: unbounded)")
         if self.max_waiting_tokens is not None and self.max_waiting_tokens < 1:

@@ -125,6 +125,7 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 watermark_pages=max(1, self.pool.num_pages // 100),
                 max_adapters_per_batch=config.max_adapters_per_batch,
+                policy=config.scheduling_policy,
             ),
             RequestMemory(self.kv, self.adapters),
         )

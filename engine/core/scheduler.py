@@ -1,7 +1,8 @@
 """Continuous batching: which requests run this step, and how many of their tokens.
 
 Every step has a token budget. Running requests go first, in arrival order: a decode takes one token, a prompt
-still being prefilled takes the next chunk. Waiting requests then start while budget, sequence slots and pages
+still being prefilled takes the next chunk (after the admissions, when another key's waiting request is at least
+as urgent). Waiting requests then start while budget, sequence slots and pages
 last, in this order: priority (lower first, vLLM's convention), then the fairness key with the least service so
 far, then arrival. When a running request cannot get the pages it needs, one not yet scheduled this step is
 preempted, the least urgent, then of the most-served key, then the most recently started: its pages are freed and
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from loraplex.engine.core.request import Request, RequestStatus
 from loraplex.engine.core.request_memory import Refusal, RequestMemory
@@ -40,6 +42,9 @@ class SchedulerConfig:
     # VTC's cost of a prompt token and of a generated token (the paper's 1 and 2).
     input_token_weight: float = 1.0
     output_token_weight: float = 2.0
+    # "fair": priority, then weighted VTC, then arrival. "fcfs" (vLLM's default): arrival alone, keys and priorities
+    # ignored (the counters are still kept, for the metrics).
+    policy: Literal["fair", "fcfs"] = "fair"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +109,7 @@ class Scheduler:
         self._num_active: dict[str, int] = {}  # fairness key -> its requests waiting or running
         self._served_tokens: dict[str, int] = {}  # fairness key -> tokens computed for it
         self._preemptions: dict[str, int] = {}  # fairness key -> its requests preempted
+        self._fcfs = config.policy == "fcfs"
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -149,7 +155,9 @@ class Scheduler:
         self._served_tokens[key] = self._served_tokens.get(key, 0) + scheduled.num_new_tokens
 
     def _urgency(self, request: Request) -> tuple[int, float]:
-        """Lower goes first: priority, then the key's service so far."""
+        """Lower goes first: priority, then the key's service so far (all equal under "fcfs")."""
+        if self._fcfs:
+            return 0, 0.0
         return request.priority, self.service.get(request.fairness_key, 0.0)
 
     def has_unfinished(self) -> bool:
@@ -161,10 +169,22 @@ class Scheduler:
         self._make_room_for_urgent(out, budget)
         num_urgent_preemptions = len(out.preempted)
 
+        # A running prompt's next chunk waits until after admissions when another key's waiting request is at least
+        # as urgent (a flood's long prefills must not hold a light key's short request back for steps).
+        can_admit = not self._fcfs and bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        contenders: dict[str, tuple[int, float]] | None = None  # read once, at the first running prompt
+        deferred: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 1 and can_admit and contenders is None:
+                contenders = self._contenders()
+            if remaining > 1 and contenders and self._outranked(request, contenders):
+                deferred.append(request)
+                i += 1
+                continue
+            num_new = min(remaining, budget)
             while not self.memory.can_grow(request, num_new):
                 victim = self._victim(i)
                 self.running.remove(victim)
@@ -184,15 +204,43 @@ class Scheduler:
 
         # No new admissions in a step whose running requests had to preempt: the pool is full.
         if len(out.preempted) == num_urgent_preemptions:
-            budget = self._admit(out, budget)
+            budget = self._admit(out, budget, held_keys={r.fairness_key for r in deferred})
+        for request in deferred:  # what the admissions left (never preempting: they had their turn)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if budget <= 0 or request not in self.running or not self.memory.can_grow(request, num_new):
+                continue
+            self.memory.grow(request, num_new)
+            scheduled = ScheduledRequest(request, num_new)
+            self._charge(scheduled)
+            out.scheduled.append(scheduled)
+            budget -= num_new
+        if deferred and budget > 0 and len(out.preempted) == num_urgent_preemptions:
+            budget = self._admit(out, budget)  # the held keys' turn, with what is left: the step stays full
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _contenders(self) -> dict[str, tuple[int, float]]:
+        """The two most urgent keys among the waiting requests that could start, with their urgency."""
+        best: dict[str, tuple[int, float]] = {}
+        for request in self.waiting:
+            if request.prefill_after is not None and not request.prefill_after.is_prefilled:
+                continue
+            rank = self._urgency(request)
+            key = request.fairness_key
+            if key not in best or rank < best[key]:
+                best[key] = rank
+        return dict(sorted(best.items(), key=lambda item: item[1])[:2])
+
+    def _outranked(self, request: Request, contenders: dict[str, tuple[int, float]]) -> bool:
+        """Another key's waiting request is at least as urgent as `request`."""
+        rank = self._urgency(request)
+        return any(key != request.fairness_key and other <= rank for key, other in contenders.items())
 
     def _make_room_for_urgent(self, out: SchedulerOutput, budget: int) -> None:
         """Preempt running requests less urgent than the most urgent waiting one while it cannot start for lack of
         pages or sequence slots (least urgent first, as under memory pressure). A request that could not start
         anyway (its adapter still loading, or another choice of its prompt not prefilled yet) preempts nobody."""
-        if not self.waiting or not self.running:
+        if self._fcfs or not self.waiting or not self.running:
             return
         urgent = min(self.waiting, key=lambda r: r.priority)  # the first of the most urgent: min keeps the first
         if urgent.priority >= max(r.priority for r in self.running):
@@ -219,8 +267,10 @@ class Scheduler:
         index = max(candidates, key=lambda j: (*self._urgency(self.running[j]), j))
         return self.running[index]
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        """Start waiting requests in arrival order while budget, sequence slots and pages last.
+    def _admit(self, out: SchedulerOutput, budget: int, held_keys: set[str] | frozenset[str] = frozenset()) -> int:
+        """Start waiting requests in arrival order while budget, sequence slots and pages last. Requests of
+        `held_keys` (keys whose running prompts were deferred to these admissions) wait: their running prompts go on
+        before anything new of theirs starts.
 
         A request whose adapter is still loading is passed over (so resident adapters' requests go first and the load
         never stalls the queue), and so is one waiting for another choice of its prompt to be prefilled
@@ -232,8 +282,10 @@ class Scheduler:
         # One key and one priority among the waiting (the common case): the order is the queue's, and no pick needs
         # a scan of the whole queue.
         first = self.waiting[0] if self.waiting else None
-        in_order = first is None or all(
-            r.fairness_key == first.fairness_key and r.priority == first.priority for r in self.waiting
+        in_order = (
+            self._fcfs
+            or first is None
+            or all(r.fairness_key == first.fairness_key and r.priority == first.priority for r in self.waiting)
         )
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._next_waiting(passed_over, in_order=in_order)
@@ -241,6 +293,9 @@ class Scheduler:
                 break
             if request.prefill_after is not None and not request.prefill_after.is_prefilled:
                 passed_over.add(id(request))  # another choice of its prompt prefills it now: start after it
+                continue
+            if request.fairness_key in held_keys:
+                passed_over.add(id(request))
                 continue
             digest = request.adapter_digest
             new_adapter = digest is not None and digest not in self._running_adapters

@@ -66,6 +66,13 @@ def engine() -> None:
 @click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Requests running at once.")
 @click.option("--max-num-batched-tokens", type=int, default=4096, show_default=True, help="Token budget of one step.")
 @click.option(
+    "--scheduling-policy",
+    type=click.Choice(["fair", "fcfs"]),
+    default="fair",
+    show_default=True,
+    help="fair: priority, then the least-served fairness key (weighted VTC); fcfs: arrival order alone.",
+)
+@click.option(
     "--max-waiting-requests",
     type=click.IntRange(min=0),
     default=1024,
@@ -173,6 +180,7 @@ def engine_serve(
     block_size: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    scheduling_policy: str,
     max_waiting_requests: int,
     max_waiting_tokens: int,
     enable_prefix_caching: bool,
@@ -268,6 +276,7 @@ def engine_serve(
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            scheduling_policy=scheduling_policy,  # type: ignore[arg-type]  # click.Choice checked it
             max_waiting_requests=max_waiting_requests or None,
             max_waiting_tokens=max_waiting_tokens or None,
             enable_prefix_caching=enable_prefix_caching,

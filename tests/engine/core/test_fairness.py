@@ -27,11 +27,11 @@ BLOCK = 4
 ids = itertools.count()
 
 
-def scheduler(*, pages: int = 256, budget: int = 32, max_seqs: int = 4) -> Scheduler:
+def scheduler(*, pages: int = 256, budget: int = 32, max_seqs: int = 4, policy: str = "fair") -> Scheduler:
     pool = PagePool(
         num_pages=pages, num_layers=1, page_elems=2 * BLOCK, dtype=torch.float32, device=torch.device("cpu")
     )
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)  # type: ignore[arg-type]
     return Scheduler(config, RequestMemory(KVCacheManager(pool, BLOCK)))
 
 
@@ -224,6 +224,36 @@ def test_an_urgent_arrival_takes_a_sequence_slot_from_a_less_urgent_request() ->
     assert low in sched.running  # back once the urgent one finished, recomputed from its tokens
     assert low.num_preemptions == 1
     assert {k.fairness_key: k.num_preemptions for k in sched.key_service()} == {"a": 1, "b": 0}
+
+
+def test_the_fcfs_policy_serves_in_arrival_order_whatever_the_keys() -> None:
+    sched = scheduler(max_seqs=1, policy="fcfs")
+    run = Run(sched)
+    a = request("a", 4, 1)
+    sched.add(a)
+    run.step()
+    run.step()  # a is done: "a" has service, "b" none
+    later = [request("a", 4, 1, priority=5), request("b", 4, 1, priority=0)]
+    for r in later:
+        sched.add(r)
+    assert [s.request for s in sched.schedule().scheduled] == [later[0]]  # the first to come, not the urgent one
+
+
+def test_a_flood_s_running_prompts_wait_for_another_key_s_arrival() -> None:
+    # Key a's long prompt is mid-prefill when b's short request arrives: b's prompt takes this step's budget first,
+    # and none of a's queued requests starts before a's running prompt has gone on.
+    sched = scheduler(budget=16, max_seqs=4)
+    run = Run(sched)
+    long = request("a", 64, 2)
+    sched.add(long)
+    run.step()  # 16 of its 64 prompt tokens
+    queued = request("a", 64, 2)
+    sched.add(queued)
+    short = request("b", 8, 2)
+    sched.add(short)
+    out = run.step()
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(short, 8), (long, 8)]
+    assert queued in sched.waiting
 
 
 def test_the_queue_counts_its_tokens_and_stats() -> None:
