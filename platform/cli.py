@@ -188,7 +188,7 @@ def admin_create_tenant(name: str) -> None:
             async with resources.sessions() as session:
                 tenant = await TenantService(session).create(valid_name)
                 await session.commit()
-                return TenantOut.of(tenant).model_dump_json()
+                return TenantOut.of(tenant, settings.default_service_tiers).model_dump_json()
         finally:
             await resources.close()
 

@@ -3,8 +3,10 @@
 Each `Resources` owns a `PlatformMetrics` with its own registry (never prometheus_client's global one), as the engine
 does, so two apps in one process, as in tests, never share or double-register series. Usage counters are counted
 where usage is recorded (`completions.service.record_usage`, once per request, whatever became of it), so they
-count what is billed; rate-limit refusals are counted by `CountingRateLimiter` around the process's limiter; the
-limiter's and the usage recorder's own counters are read when scraped.
+count what is billed; rate-limit refusals are counted by `CountingRateLimiter` around the process's limiter, and
+concurrency leases (held now, refused) by `CountingLeases` around its leases; requests no engine would queue
+(every replica tried answered 503 overloaded) are counted where the relay gives up. The limiter's and the usage
+recorder's own counters are read when scraped.
 
 Labels and cardinality: `tenant` is the tenant's id and `adapter` the adapter's id ("" for a base model), both
 UUIDs, never names. Names are chosen by tenants (any text, renamed at will, and not ours to publish), ids are stable
@@ -12,7 +14,8 @@ and say nothing by themselves. A series exists only once a tenant (or a tenant's
 process, so the number of series is bounded by the pairs actually used since the process started: per tenant,
 (adapters in use + 1) for each token counter, times the few statuses (ok, length, error, cancelled) for requests.
 That is fine for thousands of active adapters; a deployment with far more should aggregate in its recording rules
-(`sum by (tenant)`), or drop the adapter label at scrape time.
+(`sum by (tenant)`), or drop the adapter label at scrape time. The admission series (in flight, refusals) are per
+tenant only; `replica` is an engine's registry id, of which a fleet has few.
 
 What is served is aggregate numbers only: no names, keys, prompts or prices, but per tenant, which is still the
 deployment's business: the endpoint needs the admin credential (the app mounts it behind the admin guard; a
@@ -25,11 +28,12 @@ from collections.abc import Iterable
 
 from litestar import Controller, Response, get
 from litestar.datastructures import State
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from loraplex.platform.concurrency import Lease, LeaseDecision, LeaseRefusal, Leases
 from loraplex.platform.domain.usage.recorder import UsageEvent, UsageRecorder
 from loraplex.platform.ratelimit import Limits, RateDecision, RateLimiter
 
@@ -101,6 +105,37 @@ class PlatformMetrics:
             ["tenant", "reason"],
             registry=self.registry,
         )
+        self.requests_in_flight = Gauge(
+            f"{_PREFIX}_requests_in_flight",
+            "Completion requests holding a concurrency lease in this process (admitted and not yet ended), by tenant "
+            "id; sum over replicas for a tenant's total.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.concurrency_refusals = Counter(
+            f"{_PREFIX}_concurrency_refusals",
+            "Requests refused by the tenant's concurrency cap, by tenant id and reason (over_cap: 429; unavailable: "
+            "503, Redis down and the failure policy closed).",
+            ["tenant", "reason"],
+            registry=self.registry,
+        )
+        self.concurrency_unavailable = Counter(
+            f"{_PREFIX}_concurrency_unavailable",
+            "Concurrency decisions made without the shared store (by the failure policy: admitted if open).",
+            registry=self.registry,
+        )
+        self.overloaded = Counter(
+            f"{_PREFIX}_overloaded",
+            "Requests answered 503 overloaded because every engine replica tried was full, by tenant id.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.engine_overloaded = Counter(
+            f"{_PREFIX}_engine_overloaded",
+            "503 overloaded answers from engine replicas (a request then tries another), by replica id.",
+            ["replica"],
+            registry=self.registry,
+        )
         self.registry.register(_ReadAtScrape(rate_limiter, usage))
 
     def count_usage(self, event: UsageEvent) -> None:
@@ -115,6 +150,13 @@ class PlatformMetrics:
     def count_refusal(self, tenant_id: str, decision: RateDecision) -> None:
         if not decision.allowed and decision.refusal is not None:
             self.ratelimit_refusals.labels(tenant_id, decision.refusal.value).inc()
+
+    def count_overloaded(self, tenant_id: str) -> None:
+        """Count a request refused because every replica tried was full (once per request, where relay gives up)."""
+        self.overloaded.labels(tenant_id).inc()
+
+    def count_engine_overloaded(self, replica_id: str) -> None:
+        self.engine_overloaded.labels(replica_id).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series; serve it with CONTENT_TYPE."""
@@ -140,6 +182,39 @@ class CountingRateLimiter:
         decision = await self._inner.acquire(tenant_id=tenant_id, key_id=key_id, tenant=tenant, key=key, tokens=tokens)
         self._metrics.count_refusal(tenant_id, decision)
         return decision
+
+
+class CountingLeases:
+    """`Leases` that count, in `metrics`, the leases held in this process (by tenant) and the refusals of the ones
+    they wrap."""
+
+    def __init__(self, inner: Leases, metrics: PlatformMetrics) -> None:
+        self._inner = inner
+        self._metrics = metrics
+
+    @property
+    def ttl_s(self) -> float:
+        return self._inner.ttl_s
+
+    async def acquire(self, tenant_id: str, *, cap: int) -> LeaseDecision:
+        decision = await self._inner.acquire(tenant_id, cap=cap)
+        metrics = self._metrics
+        if decision.lease is not None:
+            metrics.requests_in_flight.labels(tenant_id).inc()
+            if not decision.lease.tracked:
+                metrics.concurrency_unavailable.inc()
+        elif decision.refusal is not None:
+            metrics.concurrency_refusals.labels(tenant_id, decision.refusal.value).inc()
+            if decision.refusal is LeaseRefusal.UNAVAILABLE:
+                metrics.concurrency_unavailable.inc()
+        return decision
+
+    async def renew(self, lease: Lease) -> None:
+        await self._inner.renew(lease)
+
+    async def release(self, lease: Lease) -> None:
+        self._metrics.requests_in_flight.labels(lease.tenant_id).dec()
+        await self._inner.release(lease)
 
 
 class MetricsController(Controller):

@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from loraplex.engine import AsyncEngine as EngineRuntime
 from loraplex.platform.auth import Authenticator
+from loraplex.platform.concurrency import Leases, open_leases
 from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.db.migrate import ensure_at_head
 from loraplex.platform.domain.api_keys.keys import KeyHasher
@@ -25,7 +26,7 @@ from loraplex.platform.domain.fleet.embedded import embedded_model, embedded_qua
 from loraplex.platform.domain.fleet.registry import EmptyFleet, Fleet, RedisFleet, Router
 from loraplex.platform.domain.usage.recorder import UsageRecorder, open_usage_recorder
 from loraplex.platform.kv import KeyValueStore, RedisStore, open_kv_store
-from loraplex.platform.metrics import CountingRateLimiter, PlatformMetrics
+from loraplex.platform.metrics import CountingLeases, CountingRateLimiter, PlatformMetrics
 from loraplex.platform.objectstore import ObjectStore, open_object_store
 from loraplex.platform.ratelimit import RateLimiter, open_rate_limiter
 from loraplex.platform.settings import Settings, SettingsError
@@ -77,6 +78,7 @@ class Resources:
     authenticator: Authenticator
     model_configs: ModelConfigs
     rate_limiter: RateLimiter
+    leases: Leases  # per-tenant concurrency caps
     usage: UsageRecorder
     fleet: Fleet
     router: Router
@@ -135,6 +137,7 @@ class Resources:
             authenticator=authenticator,
             model_configs=ModelConfigs(settings),
             rate_limiter=CountingRateLimiter(rate_limiter, metrics),
+            leases=CountingLeases(open_leases(kv, settings), metrics),
             usage=usage,
             fleet=fleet,
             router=Router(fleet, kv),

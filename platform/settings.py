@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from loraplex.engine import parse_memory_budget
+from loraplex.platform.service_tiers import ServiceTier, canonical_tiers
 
 ENV_PREFIX = "LORAPLEX_"
 # What compose.yaml's placeholder secrets start with: `platform serve` refuses them outside the dev profile.
@@ -134,10 +135,30 @@ class Settings(BaseSettings):
         description="Tokens per minute (prompt + max_tokens, estimated at admission) of a tenant without its own "
         "limit.",
     )
+    default_max_concurrent_requests: int = Field(
+        default=64,
+        ge=1,
+        le=1_000_000,
+        description="Requests a tenant without its own cap may have in flight at once, across all replicas.",
+    )
+    default_service_tiers: list[ServiceTier] = Field(
+        default=[ServiceTier.FLEX, ServiceTier.DEFAULT],
+        description="Service tiers a tenant may ask for when an admin has not set its own list: a JSON list of "
+        "flex, default, priority that includes default. flex only lowers the tenant's own urgency, so it is safe by "
+        "default; priority is for an admin to grant per tenant.",
+    )
+    concurrency_lease_ttl_s: float = Field(
+        default=30.0,
+        ge=1,
+        le=3600,
+        description="How long a request's concurrency lease lives unless renewed (its holder renews it every third "
+        "of this while the request runs): the longest a crashed replica's requests keep counting against their "
+        "tenants' caps.",
+    )
     ratelimit_failure_policy: Literal["open", "closed"] = Field(
         default="open",
-        description="When Redis does not answer the rate limiter: open admits the request (and logs it), "
-        "closed refuses it with 503.",
+        description="When Redis does not answer the rate limiter or the concurrency caps: open admits the request "
+        "(and logs it), closed refuses it with 503.",
     )
     usage_drain_interval_s: float = Field(
         default=5.0,
@@ -206,6 +227,11 @@ class Settings(BaseSettings):
     def _kv_budget(cls, value: str) -> str:
         parse_memory_budget(value)
         return value
+
+    @field_validator("default_service_tiers")
+    @classmethod
+    def _service_tiers(cls, value: list[ServiceTier]) -> list[ServiceTier]:
+        return canonical_tiers(value)
 
     @field_validator("redis_prefix")
     @classmethod

@@ -383,16 +383,21 @@ class TestReport:
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 MODELS = ("m1", "m2")
+TIERS = ("default", "flex", "priority")
 price_amounts = st.integers(min_value=0, max_value=10**12).map(lambda n: Decimal(n).scaleb(-9))
 
 
 @st.composite
-def book_and_rows(draw: st.DrawFn) -> tuple[list[tuple[str, int, Decimal, Decimal, Decimal]], list[tuple[Any, ...]]]:
+def book_and_rows(
+    draw: st.DrawFn,
+) -> tuple[list[tuple[str, str, int, Decimal, Decimal, Decimal]], list[tuple[Any, ...]]]:
     versions = []
     for model in MODELS:
-        for minute in draw(st.lists(st.integers(0, 30), max_size=3, unique=True)):
-            input_price = draw(price_amounts)
-            versions.append((model, minute, input_price, draw(price_amounts).min(input_price), draw(price_amounts)))
+        for tier in TIERS:
+            for minute in draw(st.lists(st.integers(0, 30), max_size=3 if tier == "default" else 2, unique=True)):
+                input_price = draw(price_amounts)
+                cached_price, output_price = draw(price_amounts).min(input_price), draw(price_amounts)
+                versions.append((model, tier, minute, input_price, cached_price, output_price))
     rows = []
     for _ in range(draw(st.integers(0, 25))):
         prompt = draw(st.integers(0, 10**6))
@@ -406,6 +411,7 @@ def book_and_rows(draw: st.DrawFn) -> tuple[list[tuple[str, int, Decimal, Decima
                 draw(st.integers(0, 10**6)),
                 draw(st.integers(0, 1)),  # tenant index
                 draw(st.sampled_from((None, 0, 1))),  # endpoint index
+                draw(st.sampled_from(TIERS)),
             )
         )
     return versions, rows
@@ -422,7 +428,7 @@ def book_and_rows(draw: st.DrawFn) -> tuple[list[tuple[str, int, Decimal, Decima
 async def test_sql_rating_matches_a_loop_over_the_rows(
     sessions: Sessions,
     tenants: list[Tenant],
-    data: tuple[list[tuple[str, int, Decimal, Decimal, Decimal]], list[tuple[Any, ...]]],
+    data: tuple[list[tuple[str, str, int, Decimal, Decimal, Decimal]], list[tuple[Any, ...]]],
     group_by: GroupBy,
     edges: tuple[int, int],
 ) -> None:
@@ -431,7 +437,7 @@ async def test_sql_rating_matches_a_loop_over_the_rows(
     start = T0 + timedelta(minutes=edges[0])
     end = start + timedelta(minutes=edges[1])
     usage_rows = []
-    for model, minute, micros, prompt, cached, completion, tenant_index, endpoint_index in rows:
+    for model, minute, micros, prompt, cached, completion, tenant_index, endpoint_index, tier in rows:
         tenant = tenants[tenant_index]
         endpoint = None if endpoint_index is None else endpoints[endpoint_index]
         usage_rows.append(
@@ -444,19 +450,22 @@ async def test_sql_rating_matches_a_loop_over_the_rows(
                 prompt_tokens=prompt,
                 cached_tokens=cached,
                 completion_tokens=completion,
+                service_tier=tier,
             )
         )
 
-    # The oracle: row by row, the version found by scanning the book, exact Decimal arithmetic.
+    # The oracle: row by row, the version found by scanning the book (the row's tier, else default), exact Decimal
+    # arithmetic.
     expected: dict[tuple[Any, ...], dict[str, Decimal]] = {}
     with localcontext() as context:
         context.prec = 200
         for row in usage_rows:
             if not start <= row["started_at"] < end:
                 continue
-            found = [
-                v for v in versions if v[0] == row["base_model"] and T0 + timedelta(minutes=v[1]) <= row["started_at"]
+            started = [
+                v for v in versions if v[0] == row["base_model"] and T0 + timedelta(minutes=v[2]) <= row["started_at"]
             ]
+            found = [v for v in started if v[1] == row["service_tier"]] or [v for v in started if v[1] == "default"]
             if group_by is GroupBy.TENANT:
                 name = next(t.name for t in tenants if t.id == row["tenant_id"])
                 key: tuple[Any, ...] = (name, str(row["tenant_id"]))
@@ -465,6 +474,8 @@ async def test_sql_rating_matches_a_loop_over_the_rows(
                 key = (str(row["tenant_id"]), None if endpoint_id is None else str(endpoint_id), row["model"])
             elif group_by is GroupBy.MODEL:
                 key = (row["base_model"],)
+            elif group_by is GroupBy.SERVICE_TIER:
+                key = (row["service_tier"],)
             else:
                 key = (row["started_at"].date().isoformat(),)
             sums = expected.setdefault(key, {name: Decimal(0) for name in (*MONEY, "requests", "unpriced")})
@@ -472,7 +483,7 @@ async def test_sql_rating_matches_a_loop_over_the_rows(
             if not found:
                 sums["unpriced"] += 1
                 continue
-            _, _, input_price, cached_price, output_price = max(found, key=lambda v: v[1])
+            _, _, _, input_price, cached_price, output_price = max(found, key=lambda v: v[2])
             uncached_cost = (row["prompt_tokens"] - row["cached_tokens"]) * input_price / 10**6
             cached_cost = row["cached_tokens"] * cached_price / 10**6
             output_cost = row["completion_tokens"] * output_price / 10**6
@@ -486,12 +497,13 @@ async def test_sql_rating_matches_a_loop_over_the_rows(
         session.add_all(
             PriceVersion(
                 base_model=model,
+                service_tier=tier,
                 input_per_mtok=input_price,
                 cached_input_per_mtok=cached_price,
                 output_per_mtok=output_price,
                 effective_at=T0 + timedelta(minutes=minute),
             )
-            for model, minute, input_price, cached_price, output_price in versions
+            for model, tier, minute, input_price, cached_price, output_price in versions
         )
         await UsageRepository(session).add_if_absent(usage_rows)
         await session.flush()

@@ -67,6 +67,22 @@ class TestPriceBook:
         assert book.in_force("m", T0 + timedelta(days=400)) is new
         assert book.in_force("other", T0) is None
 
+    def test_a_tier_without_a_version_in_force_is_rated_by_the_default_tiers(self) -> None:
+        default = DatedPrice("m", T0, terms("1", "0.1", "2"))
+        later_default = DatedPrice("m", T0 + timedelta(hours=2), terms("5", "0.5", "10"))
+        flex = DatedPrice("m", T0 + timedelta(hours=1), terms("0.5", "0.05", "1"), service_tier="flex")
+        book = PriceBook([later_default, flex, default])
+        # Before flex's first version: the default tier's version then in force.
+        assert book.in_force("m", T0, "flex") is default
+        assert book.in_force("m", T0 + timedelta(hours=1) - timedelta(microseconds=1), "flex") is default
+        # From it on: flex's own, even once a newer default version is in force.
+        assert book.in_force("m", T0 + timedelta(hours=1), "flex") is flex
+        assert book.in_force("m", T0 + timedelta(hours=3), "flex") is flex
+        # Priority never priced: always the default tier's; default never sees flex's.
+        assert book.in_force("m", T0 + timedelta(hours=3), "priority") is later_default
+        assert book.in_force("m", T0 + timedelta(hours=1), "default") is default
+        assert book.in_force("m", T0 - timedelta(microseconds=1), "flex") is None
+
 
 class TestRate:
     def test_costs_are_exact_per_million_tokens(self) -> None:
@@ -218,6 +234,7 @@ class TestCsv:
 # --- property: the rated, rounded report agrees with a plain loop over the rows -------------------------------
 
 MODELS = ("m1", "m2", "m3")
+TIERS = ("default", "flex", "priority")
 GRID_MINUTES = 40  # a coarse clock, so rows start exactly on price changes and period edges often
 
 
@@ -235,15 +252,13 @@ prices_strategy = st.integers(min_value=0, max_value=10**12).map(lambda n: Decim
 def price_versions(draw: st.DrawFn) -> list[DatedPrice]:
     versions: list[DatedPrice] = []
     for model in MODELS:
-        minutes = draw(st.lists(st.integers(0, GRID_MINUTES), max_size=4, unique=True))
-        for minute in minutes:
-            input_price = draw(prices_strategy)
-            cached = draw(st.one_of(st.just(default_cached_price(input_price)), prices_strategy)).min(input_price)
-            versions.append(
-                DatedPrice(
-                    model, T0 + timedelta(minutes=minute), PriceTerms(input_price, cached, draw(prices_strategy))
-                )
-            )
+        for tier in TIERS:
+            minutes = draw(st.lists(st.integers(0, GRID_MINUTES), max_size=4 if tier == "default" else 2, unique=True))
+            for minute in minutes:
+                input_price = draw(prices_strategy)
+                cached = draw(st.one_of(st.just(default_cached_price(input_price)), prices_strategy)).min(input_price)
+                at = T0 + timedelta(minutes=minute)
+                versions.append(DatedPrice(model, at, PriceTerms(input_price, cached, draw(prices_strategy)), tier))
     return versions
 
 
@@ -261,6 +276,7 @@ def usage_rows(draw: st.DrawFn) -> list[GenRow]:
             prompt_tokens=prompt,
             cached_tokens=draw(st.integers(0, prompt)),
             completion_tokens=draw(st.integers(0, 100_000)),
+            service_tier=draw(st.sampled_from(TIERS)),
         )
         rows.append(GenRow(draw(st.sampled_from(("t1", "t2"))), draw(st.sampled_from(("e1", "e2", None))), usage))
     return rows
@@ -275,6 +291,8 @@ def key_function(group_by: GroupBy, tenant_of: dict[int, GenRow]) -> Callable[[U
             return (gen.tenant, gen.endpoint, gen.endpoint or row.base_model)
         if group_by is GroupBy.MODEL:
             return (row.base_model,)
+        if group_by is GroupBy.SERVICE_TIER:
+            return (row.service_tier,)
         return (row.started_at.date().isoformat(),)
 
     return key
@@ -283,7 +301,8 @@ def key_function(group_by: GroupBy, tenant_of: dict[int, GenRow]) -> Callable[[U
 def expected_by_loop(
     rows: list[GenRow], prices: list[DatedPrice], key: Callable[[UsageRow], GroupKey], start: datetime, end: datetime
 ) -> dict[GroupKey, dict[str, Decimal]]:
-    """The oracle: each row on its own, its price found by scanning every version, costs in exact Decimals."""
+    """The oracle: each row on its own, its price found by scanning every version (of its tier, else of the default
+    tier), costs in exact Decimals."""
     out: dict[GroupKey, dict[str, Decimal]] = {}
     with localcontext() as context:
         context.prec = 200
@@ -292,10 +311,14 @@ def expected_by_loop(
             if not start <= row.started_at < end:
                 continue
             in_force: DatedPrice | None = None
-            for price in prices:
-                applies = price.base_model == row.base_model and price.effective_at <= row.started_at
-                if applies and (in_force is None or price.effective_at > in_force.effective_at):
-                    in_force = price
+            for tier in (row.service_tier, "default"):
+                for price in prices:
+                    applies = price.base_model == row.base_model and price.effective_at <= row.started_at
+                    applies = applies and price.service_tier == tier
+                    if applies and (in_force is None or price.effective_at > in_force.effective_at):
+                        in_force = price
+                if in_force is not None:
+                    break
             sums = out.setdefault(key(row), {name: Decimal(0) for name in (*MONEY, "requests", "unpriced")})
             sums["requests"] += 1
             if in_force is None:
@@ -370,10 +393,14 @@ class TestOnSqlite:
             prices = [
                 DatedPrice("m1", T0, terms("0.123456789", "0.012345679", "999999.999999999")),
                 DatedPrice("m1", T0 + timedelta(minutes=10), terms("2", "0.2", "8")),
+                DatedPrice("m1", T0 + timedelta(minutes=5), terms("0.5", "0.05", "2"), service_tier="flex"),
             ]
             minutes = (-1, 0, 9, 10, 11, 24 * 60)
             rows = [UsageRow("m1", T0 + timedelta(minutes=m, microseconds=-1), 1000 + m, 300, 50) for m in minutes]
             rows.append(UsageRow("m2", T0 + timedelta(minutes=5), 10, 0, 10))
+            # flex before its own price (the default tier's), after it (its own), and priority (never priced).
+            rows += [UsageRow("m1", T0 + timedelta(minutes=m), 700, 100, 30, "flex") for m in (4, 5, 12)]
+            rows.append(UsageRow("m1", T0 + timedelta(minutes=12), 700, 100, 30, "priority"))
             async with sessions() as session:
                 tenant = Tenant(name="acme")
                 session.add(tenant)
@@ -381,6 +408,7 @@ class TestOnSqlite:
                 session.add_all(
                     PriceVersion(
                         base_model=p.base_model,
+                        service_tier=p.service_tier,
                         input_per_mtok=p.terms.input_per_mtok,
                         cached_input_per_mtok=p.terms.cached_input_per_mtok,
                         output_per_mtok=p.terms.output_per_mtok,
@@ -399,6 +427,7 @@ class TestOnSqlite:
                             "cached_tokens": row.cached_tokens,
                             "completion_tokens": row.completion_tokens,
                             "status": "ok",
+                            "service_tier": row.service_tier,
                             "started_at": row.started_at,
                             "finished_at": row.started_at,
                         }
@@ -410,6 +439,7 @@ class TestOnSqlite:
                 for group_by, key in (
                     (GroupBy.DAY, lambda r: (r.started_at.date().isoformat(),)),
                     (GroupBy.MODEL, lambda r: (r.base_model,)),
+                    (GroupBy.SERVICE_TIER, lambda r: (r.service_tier,)),
                 ):
                     found = await BillingService(session).report(start=start, end=end, group_by=group_by)
                     wanted = round_report(rate(slices_of(rows, PriceBook(prices), key)))

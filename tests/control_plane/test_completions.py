@@ -971,3 +971,109 @@ def test_a_client_that_gives_up_on_a_non_streamed_request_stops_its_generation(p
     wait_for(lambda: engine.state().num_running == 0 and engine.state().num_waiting == 0)
     assert row["status"] == "cancelled"
     assert row["completion_tokens"] < max_tokens  # aborted, not run to the end for nobody
+
+
+# --- service tiers and fair share -------------------------------------------------------------------------------
+
+
+@dataclass
+class RecordingEngineClient:
+    """The embedded engine's client, keeping every body the platform sends it."""
+
+    inner: Any
+    bodies: list[dict[str, Any]]
+
+    def stream(self, path: str, body: dict[str, Any]) -> Any:
+        self.bodies.append(json.loads(json.dumps(body)))
+        return self.inner.stream(path, body)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+@pytest.fixture
+def engine_bodies(platform: Platform, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    fleet: Any = platform.resources.fleet
+    bodies: list[dict[str, Any]] = []
+    monkeypatch.setattr(fleet, "engine_client", RecordingEngineClient(fleet.engine_client, bodies))
+    return bodies
+
+
+def test_a_service_tier_reaches_the_engine_the_answer_and_the_usage_row(
+    platform: Platform, engine_bodies: list[dict[str, Any]]
+) -> None:
+    tenant = platform.make_tenant()
+    assert platform.admin("PATCH", f"/admin/tenants/{tenant.id}", json={"fairness_weight": 2.5}).status_code == 200
+    client = platform.client(tenant.key)
+    ask: dict[str, Any] = {"model": platform.base_model, "messages": MESSAGES, "max_completion_tokens": 3, **GREEDY}
+    tiers: dict[str, str] = {}  # request id -> the tier its row must say
+
+    flex = client.chat.completions.create(**ask, service_tier="flex")
+    assert flex.service_tier == "flex"
+    tiers[flex.id] = "flex"
+    chunks = list(
+        client.chat.completions.create(**ask, service_tier="flex", stream=True, stream_options={"include_usage": True})
+    )
+    assert {c.service_tier for c in chunks} == {"flex"}  # every chunk, the usage chunk included
+    tiers[chunks[0].id] = "flex"
+    # auto, and no tier at all, run on default and say so.
+    for params in ({"service_tier": "auto"}, {}):
+        answer = client.chat.completions.create(**ask, **params)
+        assert answer.service_tier == "default"
+        tiers[answer.id] = "default"
+    # The SDK's legacy completions take it as an extra field; the answer carries it all the same.
+    text = client.completions.create(
+        model=platform.base_model, prompt=PROMPT, max_tokens=3, extra_body={"service_tier": "flex"}
+    )
+    assert text.model_extra is not None and text.model_extra["service_tier"] == "flex"
+    tiers[text.id] = "flex"
+
+    # The engine got the resolved tier (it maps it to a priority itself) and the tenant's weight and key; the
+    # platform sends no priority of its own.
+    assert [b["service_tier"] for b in engine_bodies] == ["flex", "flex", "default", "default", "flex"]
+    assert {b["fairness_weight"] for b in engine_bodies} == {2.5}
+    assert {b["fairness_key"] for b in engine_bodies} == {tenant.id}
+    assert all("priority" not in b for b in engine_bodies)
+    rows = wait_for(lambda: found if len(found := platform.usage_rows(tenant)) >= 5 else None)
+    assert {r["request_id"]: r["service_tier"] for r in rows} == tiers
+
+
+def test_a_service_tier_the_tenant_may_not_use_is_400_and_runs_nothing(
+    platform: Platform, engine_bodies: list[dict[str, Any]]
+) -> None:
+    tenant = platform.make_tenant()
+    client = platform.client(tenant.key)
+    ask: dict[str, Any] = {"model": platform.base_model, "messages": MESSAGES, "max_completion_tokens": 2}
+    # priority is not in the platform's default tiers: an admin grants it.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**ask, service_tier="priority")
+    error = envelope(info.value)
+    assert (error["code"], error["param"]) == ("service_tier_not_allowed", "service_tier")
+    assert "'flex', 'default'" in error["message"]
+    # A tier that does not exist here is refused by the schema, naming what is accepted.
+    for tier in ("scale", "fast", "Flex"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**ask, extra_body={"service_tier": tier})
+        error = envelope(info.value)
+        assert error["param"] == "service_tier"
+        assert "'auto', 'default', 'flex' or 'priority'" in error["message"]
+    assert engine_bodies == []  # none of them reached an engine
+
+    # Granted, it runs; taken away (back to the default tiers), it is refused again.
+    path = f"/admin/tenants/{tenant.id}"
+    granted = platform.admin("PATCH", path, json={"service_tiers": ["default", "priority"]})
+    assert granted.status_code == 200 and granted.json()["service_tiers"] == ["default", "priority"]
+    answer = client.chat.completions.create(**ask, service_tier="priority")
+    assert answer.service_tier == "priority"
+    assert [b["service_tier"] for b in engine_bodies] == ["priority"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**ask, service_tier="flex")  # no longer in its own list
+    assert "'default', 'priority'" in envelope(info.value)["message"]
+    assert platform.admin("PATCH", path, json={"service_tiers": None}).status_code == 200
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**ask, service_tier="priority")
+    # The one request that ran is the one usage row: the refusals recorded nothing.
+    [row] = wait_for(lambda: platform.usage_rows(tenant))
+    wait_for(lambda: platform.resources.usage.num_in_flight == 0)
+    assert [r["request_id"] for r in platform.usage_rows(tenant)] == [answer.id]
+    assert row["service_tier"] == "priority"

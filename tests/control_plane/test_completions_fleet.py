@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -39,10 +40,16 @@ from _support.services import PostgresServer, RedisServer, S3Server
 from _support.waiting import poll
 from litestar import Litestar
 from openai.types.chat import ChatCompletionChunk
+from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.platform.app import create_app
-from loraplex.platform.domain.fleet.client import EngineClient
+from loraplex.platform.domain.fleet.client import (
+    EngineClient,
+    EngineRequestError,
+    InProcessEngineClient,
+    retry_after_seconds,
+)
 from loraplex.platform.domain.fleet.registry import BALANCE_SLACK, RECENT_S, Replica, Router
 from loraplex.platform.kv import RedisStore
 from loraplex.platform.settings import Settings
@@ -63,6 +70,7 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 ENGINE_KEY = "engine-key-for-fleet-tests-0123"
 ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
 MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
+PLATFORM_METRICS = "loraplex_platform"
 
 
 # --- module fixtures: services, engine process, platform server, tenant -----------------------------------------
@@ -86,6 +94,7 @@ def settings(
         engine_mode="fleet",
         engine_api_key=ENGINE_KEY,
         default_requests_per_minute=100_000,  # rate limits are test_ratelimit.py's; bursts here must pass
+        default_max_concurrent_requests=1000,  # and concurrency caps test_concurrency.py's
     ) as value:
         yield value
 
@@ -544,6 +553,11 @@ class StubEngine:
     received: list[dict[str, Any]] = field(default_factory=list)
     answer: bytes = field(default_factory=_stub_events)
     release: threading.Event = field(default_factory=threading.Event)  # answers wait for it (set: at once)
+    # Once the first event is sent, the rest waits for this (set: at once): a stream held open midway.
+    midway: threading.Event = field(default_factory=threading.Event)
+    # Set: every request is refused as the engine refuses one its full waiting queue cannot take (503 overloaded,
+    # with this Retry-After, before any byte of a stream).
+    overloaded_retry_after: str | None = None
 
     def record(self, adapters: list[str]) -> dict[str, Any]:
         """Its registry entry: idle and empty, so that only residency or affinity can beat it."""
@@ -562,21 +576,39 @@ class StubEngine:
         }
 
 
-@pytest.fixture
-def stub_engine() -> Iterator[StubEngine]:
+@contextlib.contextmanager
+def serving_stub(**fields: Any) -> Iterator[StubEngine]:
+    """A StubEngine (with these fields) answering on a port of its own until the block ends."""
     (port,) = _free_ports(1)
-    stub = StubEngine(f"http://127.0.0.1:{port}")
+    stub = StubEngine(f"http://127.0.0.1:{port}", **fields)
     stub.release.set()
+    stub.midway.set()
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # http.server's name
             length = int(self.headers.get("Content-Length", "0"))
             stub.received.append(json.loads(self.rfile.read(length)))
             stub.release.wait(60)
+            if stub.overloaded_retry_after is not None:
+                self._refuse_overloaded(stub.overloaded_retry_after)
+                return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()  # HTTP/1.0: the body ends when the connection closes
-            self.wfile.write(stub.answer)
+            first, separator, rest = stub.answer.partition(b"\n\n")
+            self.wfile.write(first + separator)
+            stub.midway.wait(60)
+            self.wfile.write(rest)
+
+        def _refuse_overloaded(self, retry_after: str) -> None:
+            error = {"message": "The queue is full.", "type": "server_error", "param": None, "code": "overloaded"}
+            raw = json.dumps({"error": error}).encode()
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.send_header("Retry-After", retry_after)
+            self.end_headers()
+            self.wfile.write(raw)
 
         def log_message(self, format: str, *args: Any) -> None:  # http.server's signature
             return None
@@ -592,9 +624,16 @@ def stub_engine() -> Iterator[StubEngine]:
         yield stub
     finally:
         stub.release.set()
+        stub.midway.set()
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+@pytest.fixture
+def stub_engine() -> Iterator[StubEngine]:
+    with serving_stub() as stub:
+        yield stub
 
 
 class Heartbeat:
@@ -846,6 +885,131 @@ def test_a_request_no_replica_accepts_is_a_503(
             heartbeat.close()
 
 
+def stub_base_model(platform: Platform, tiny_base_checkpoint: Path) -> str:
+    """A base model of the calling test's own, which only its stubs serve (the module's engine serves BASE)."""
+    name = f"stub-base-{secrets.token_hex(3)}"
+    response = platform.post("/admin/base-models", ADMIN, json={"name": name, "source": str(tiny_base_checkpoint)})
+    assert response.status_code == 201, response.text
+    return name
+
+
+@contextlib.contextmanager
+def registered(settings: Settings, platform: Platform, *stubs: StubEngine) -> Iterator[None]:
+    """`stubs` in the registry (idle, no adapter) until the block ends, and in the platform's view of it."""
+    assert settings.redis_url is not None
+    heartbeats = [Heartbeat(settings.redis_url, settings.redis_prefix, lambda s=s: s.record([])) for s in stubs]
+    try:
+        for heartbeat in heartbeats:
+            heartbeat.start()
+        assert poll(lambda: {s.id for s in stubs} <= set(platform.engines()), 3)
+        yield
+    finally:
+        for heartbeat in heartbeats:
+            heartbeat.close()
+
+
+def metric(platform: Platform, name: str, **labels: str) -> float:
+    """One sample of the platform's /metrics (0 when the series does not exist yet)."""
+    response = platform.get("/metrics", ADMIN)
+    assert response.status_code == 200, response.text
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return 0.0
+
+
+def test_a_replica_whose_queue_is_full_hands_the_request_to_the_next(
+    settings: Settings, tiny_base_checkpoint: Path, platform: Platform, tenant: Tenant
+) -> None:
+    """An engine that answers 503 overloaded has run none of the request: it goes to the router's next choice, a
+    streamed one before its first byte, and the client sees only the answer."""
+    name = stub_base_model(platform, tiny_base_checkpoint)
+    tag = secrets.token_hex(3)
+    # Ids that sort the full replica first: of two idle replicas the router offers it the request first.
+    with (
+        serving_stub(id=f"engine-0-a{tag}", base_model=name, overloaded_retry_after="2") as full,
+        serving_stub(id=f"engine-0-b{tag}", base_model=name) as free,
+        registered(settings, platform, full, free),
+    ):
+        client = tenant.openai(platform)
+        answer = client.chat.completions.create(
+            model=name, messages=MESSAGES, max_tokens=2, prompt_cache_key=f"k-{secrets.token_hex(4)}"
+        )
+        assert answer.choices[0].message.content == STUB_TEXT
+        assert (len(full.received), len(free.received)) == (1, 1)
+        stream = client.chat.completions.create(
+            model=name, messages=MESSAGES, max_tokens=2, stream=True, prompt_cache_key=f"k-{secrets.token_hex(4)}"
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == STUB_TEXT
+        assert (len(full.received), len(free.received)) == (2, 2)
+        row = poll(lambda: _usage_row(platform, tenant, answer.id), 5)
+        assert row is not None and row["status"] == "ok"
+        overloaded = f"{PLATFORM_METRICS}_engine_overloaded_total"
+        assert metric(platform, overloaded, replica=full.id) == 2
+        assert metric(platform, overloaded, replica=free.id) == 0
+
+
+def test_a_request_every_replica_refuses_as_overloaded_is_a_503_with_the_soonest_retry_after(
+    settings: Settings, tiny_base_checkpoint: Path, platform: Platform
+) -> None:
+    """Every replica full: 503 in OpenAI's envelope, code overloaded, the shortest Retry-After the replicas gave,
+    a plain JSON answer even for a stream (nothing was streamed), each replica tried once; billed as an error of
+    zero tokens, as a request no engine could be reached for is."""
+    name = stub_base_model(platform, tiny_base_checkpoint)
+    response = platform.post("/admin/tenants", ADMIN, json={"name": f"full-{secrets.token_hex(3)}"})
+    assert response.status_code == 201, response.text
+    tenant_id = response.json()["id"]
+    response = platform.post(f"/admin/tenants/{tenant_id}/api-keys", ADMIN, json={"name": "k"})
+    assert response.status_code == 201, response.text
+    key = response.json()["key"]
+    with (
+        serving_stub(base_model=name, overloaded_retry_after="7") as first,
+        serving_stub(base_model=name, overloaded_retry_after="3") as second,
+        registered(settings, platform, first, second),
+    ):
+        for stream in (False, True):
+            body = {"model": name, "messages": MESSAGES, "max_tokens": 2, "stream": stream}
+            response = platform.post("/v1/chat/completions", bearer(key), json=body)
+            assert response.status_code == 503, response.text
+            assert response.headers["content-type"].startswith("application/json")
+            assert response.headers["retry-after"] == "3"
+            error = _envelope(response)
+            assert (error["code"], error["type"]) == ("overloaded", "server_error")
+        assert (len(first.received), len(second.received)) == (2, 2)
+
+        client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=key, max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=2, stream=True)
+        assert (info.value.status_code, info.value.code) == (503, "overloaded")
+        assert info.value.response.headers["retry-after"] == "3"
+
+    usage = platform.get("/v1/usage", bearer(key))
+    assert usage.status_code == 200, usage.text
+    rows = usage.json()["data"]
+    assert [row["status"] for row in rows] == ["error"] * 3
+    assert all(row["prompt_tokens"] == row["completion_tokens"] == 0 for row in rows)
+    assert metric(platform, f"{PLATFORM_METRICS}_overloaded_total", tenant=tenant_id) == 3
+
+
+async def test_the_in_process_client_passes_on_an_overloaded_engines_retry_after() -> None:
+    """The embedded mode's engine client reads the refusal from the ASGI start message, as the HTTP one does from
+    the response (the 503 tests above)."""
+    error = {"message": "The queue is full.", "type": "server_error", "param": None, "code": "overloaded"}
+
+    async def full_engine(scope: Any, receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
+        await receive()
+        headers = [(b"content-type", b"application/json"), (b"Retry-After", b"4")]  # names: any case
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps({"error": error}).encode()})
+
+    with pytest.raises(EngineRequestError) as info:
+        await anext(aiter(InProcessEngineClient(full_engine).stream("/v1/chat/completions", {"model": BASE})))
+    assert info.value.overloaded and info.value.retry_after_s == 4.0
+    parsed = [retry_after_seconds(v) for v in ("2.5", b"7", "-1", "Wed, 21 Oct 2026 07:28:00 GMT", None)]
+    assert parsed == [2.5, 7.0, None, None, None]  # seconds only: engines send no dates
+
+
 # --- the router's choices, on real Redis -------------------------------------------------------------------------
 
 
@@ -886,6 +1050,14 @@ async def test_a_burst_spreads_over_idle_replicas(router_kv: RedisStore) -> None
     picks = [await router.pick(BASE, None, None) for _ in range(6)]
     assert sorted(p.id for p in picks if p is not None) == ["a", "a", "b", "b", "c", "c"]
     assert await router.pick("another-model", None, None) is None
+
+
+async def test_a_replica_the_request_has_tried_is_never_offered_again(router_kv: RedisStore) -> None:
+    digest = "sha256:" + "cd" * 32
+    router = Router(StaticFleet([_idle("a", adapters=frozenset({digest})), _idle("b")]), router_kv)
+    picked = await router.pick(BASE, digest, None, frozenset({"a"}))
+    assert picked is not None and picked.id == "b"  # "a" holds the adapter, but it has refused this request
+    assert await router.pick(BASE, digest, None, frozenset({"a", "b"})) is None
 
 
 async def test_residency_and_warmth_win_only_while_the_load_is_in_balance(router_kv: RedisStore) -> None:

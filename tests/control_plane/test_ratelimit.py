@@ -297,6 +297,7 @@ class TestAdminSetsLimits:
             "tokens_per_minute": None,
             "key_requests_per_minute": None,
             "key_tokens_per_minute": None,
+            "max_concurrent_requests": None,
         }
         url = f"/admin/tenants/{tenant['id']}"
         body = {"limits": {"requests_per_minute": 100, "key_tokens_per_minute": 5000}}
@@ -307,6 +308,7 @@ class TestAdminSetsLimits:
             "tokens_per_minute": None,
             "key_requests_per_minute": None,
             "key_tokens_per_minute": 5000,
+            "max_concurrent_requests": None,
         }
         assert response.json()["limits"] == expected
         assert (await client.get(url, headers=admin_headers)).json()["limits"] == expected

@@ -19,9 +19,13 @@ class TestCreate:
         response = await client.post("/admin/tenants", json={"name": "  acme  "}, headers=admin_headers)
         assert response.status_code == 201
         tenant = response.json()
-        assert set(tenant) == {"id", "name", "status", "created_at", "limits"}
+        assert set(tenant) == {"id", "name", "status", "created_at", "fairness_weight", "service_tiers", "limits"}
         assert tenant["name"] == "acme"
         assert tenant["status"] == "active"
+        # The defaults: weight 1, the platform's tiers (flex and default; priority is granted), no caps of its own.
+        assert tenant["fairness_weight"] == 1
+        assert tenant["service_tiers"] == ["flex", "default"]
+        assert tenant["limits"]["max_concurrent_requests"] is None
         fetched = await client.get(f"/admin/tenants/{tenant['id']}", headers=admin_headers)
         assert fetched.json() == tenant
 
@@ -105,6 +109,86 @@ class TestUpdate:
         response = await client.patch(f"/admin/tenants/{uuid.uuid4()}", json={"name": "x"}, headers=admin_headers)
         assert response.status_code == 404
         assert (await client.get(f"/admin/tenants/{uuid.uuid4()}", headers=admin_headers)).status_code == 404
+
+
+class TestFairShare:
+    """The fair-share terms of a tenant: its weight, the service tiers it may use, its concurrency cap."""
+
+    async def test_create_with_terms_and_read_them_back(self, client: Client, admin_headers: dict[str, str]) -> None:
+        body = {
+            "name": "big-customer",
+            "fairness_weight": 2.5,
+            "service_tiers": ["priority", "default"],
+            "limits": {"max_concurrent_requests": 8, "requests_per_minute": 100},
+        }
+        response = await client.post("/admin/tenants", json=body, headers=admin_headers)
+        assert response.status_code == 201, response.text
+        created = response.json()
+        assert created["fairness_weight"] == 2.5
+        assert created["service_tiers"] == ["default", "priority"]  # least urgent first, whatever the order given
+        assert created["limits"]["max_concurrent_requests"] == 8
+        assert created["limits"]["requests_per_minute"] == 100
+        assert (await client.get(f"/admin/tenants/{created['id']}", headers=admin_headers)).json() == created
+
+    async def test_patch_sets_and_resets_each_term(
+        self, client: Client, admin_headers: dict[str, str], make_tenant: Any
+    ) -> None:
+        tenant, key = await make_tenant("tiered")
+        path = f"/admin/tenants/{tenant['id']}"
+        changes = {"fairness_weight": 1000, "service_tiers": ["default"], "limits": {"max_concurrent_requests": 10**6}}
+        response = await client.patch(path, json=changes, headers=admin_headers)
+        assert response.status_code == 200, response.text
+        patched = response.json()
+        assert (patched["fairness_weight"], patched["service_tiers"]) == (1000, ["default"])
+        assert patched["limits"]["max_concurrent_requests"] == 10**6
+        assert (await client.get(path, headers=admin_headers)).json() == patched
+        # The tenant sees the same terms.
+        assert (await client.get("/v1/me", headers={"Authorization": f"Bearer {key}"})).json() == patched
+        # An absent field stays; a null tier list or cap goes back to the platform's default.
+        response = await client.patch(path, json={"fairness_weight": 0.25}, headers=admin_headers)
+        assert (response.json()["fairness_weight"], response.json()["service_tiers"]) == (0.25, ["default"])
+        response = await client.patch(
+            path, json={"service_tiers": None, "limits": {"max_concurrent_requests": None}}, headers=admin_headers
+        )
+        assert response.status_code == 200, response.text
+        reset = response.json()
+        assert reset["service_tiers"] == ["flex", "default"]
+        assert reset["limits"]["max_concurrent_requests"] is None
+        assert reset["fairness_weight"] == 0.25
+
+    @pytest.mark.parametrize(
+        ("changes", "param"),
+        [
+            ({"fairness_weight": 0}, "fairness_weight"),
+            ({"fairness_weight": -1}, "fairness_weight"),
+            ({"fairness_weight": 1000.5}, "fairness_weight"),
+            ({"fairness_weight": None}, "fairness_weight"),
+            ({"fairness_weight": "2"}, "fairness_weight"),
+            ({"service_tiers": []}, "service_tiers"),
+            ({"service_tiers": ["flex"]}, "service_tiers"),  # without default, no request naming no tier could run
+            ({"service_tiers": ["default", "default"]}, "service_tiers"),
+            ({"service_tiers": ["default", "scale"]}, "service_tiers"),
+            ({"service_tiers": "default"}, "service_tiers"),
+            ({"limits": {"max_concurrent_requests": 0}}, "max_concurrent_requests"),
+            ({"limits": {"max_concurrent_requests": 10**6 + 1}}, "max_concurrent_requests"),
+            ({"limits": {"max_concurrent_requests": 1.5}}, "max_concurrent_requests"),
+        ],
+    )
+    async def test_bad_terms_are_400_and_change_nothing(
+        self, client: Client, admin_headers: dict[str, str], make_tenant: Any, changes: dict[str, Any], param: str
+    ) -> None:
+        tenant, _ = await make_tenant("strict")
+        path = f"/admin/tenants/{tenant['id']}"
+        # With a valid change alongside: the whole request is refused, not the bad field alone.
+        response = await client.patch(path, json={"name": "renamed", **changes}, headers=admin_headers)
+        assert response.status_code == 400, response.text
+        assert response.headers["content-type"].startswith("application/problem+json")
+        assert param in response.json()["detail"], response.text
+        assert (await client.get(path, headers=admin_headers)).json() == tenant
+        response = await client.post("/admin/tenants", json={"name": "never-made", **changes}, headers=admin_headers)
+        assert response.status_code == 400, response.text
+        listed = (await client.get("/admin/tenants", headers=admin_headers)).json()["data"]
+        assert [t["name"] for t in listed] == ["strict"]
 
 
 class TestAdminAuth:

@@ -4,6 +4,7 @@ GET /v1/usage showing a tenant its own requests and totals."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -176,6 +177,20 @@ class TestRecord:
             event(tenant_id, "x" * 65)
         with pytest.raises(ValueError, match="token counts"):
             event(tenant_id, prompt_tokens=-1)
+        with pytest.raises(ValueError, match="service_tier"):
+            event(tenant_id, service_tier="auto")  # resolved before it is recorded: auto is default
+
+    def test_an_outbox_entry_from_before_service_tiers_decodes_on_the_default_tier(self) -> None:
+        sent = event(uuid.uuid4(), service_tier="flex")
+        assert UsageEvent.decode(sent.encode()) == sent
+        # Deferred by a replica of the previous version, which knew no tiers: still billable, on default.
+        older = json.loads(sent.encode())
+        del older["service_tier"]
+        assert UsageEvent.decode(json.dumps(older).encode()) == replace(sent, service_tier="default")
+        # But a required field missing, or one no version ever wrote, is not an event.
+        for broken in ({k: v for k, v in older.items() if k != "model"}, {**older, "priority": 0}):
+            with pytest.raises(ValueError, match="not a usage event"):
+                UsageEvent.decode(json.dumps(broken).encode())
 
 
 class TestOutbox:
@@ -311,7 +326,9 @@ class TestGetUsage:
     ) -> None:
         (mine, my_key), (theirs, their_key) = await make_tenant("mine"), await make_tenant("theirs")
         a = await record_for(recorder, mine, prompt_tokens=10, cached_tokens=4, completion_tokens=1)
-        b = await record_for(recorder, mine, prompt_tokens=20, cached_tokens=0, completion_tokens=2, status="length")
+        b = await record_for(
+            recorder, mine, prompt_tokens=20, cached_tokens=0, completion_tokens=2, status="length", service_tier="flex"
+        )
         await record_for(recorder, theirs, prompt_tokens=1000, cached_tokens=0, completion_tokens=1000)
 
         response = await client.get("/v1/usage", headers=bearer(my_key))
@@ -328,10 +345,13 @@ class TestGetUsage:
             "cached_tokens",
             "completion_tokens",
             "status",
+            "service_tier",
             "started_at",
             "finished_at",
         }
         assert shown["status"] == "length"
+        assert shown["service_tier"] == "flex"
+        assert next(r for r in body["data"] if r["request_id"] == a.request_id)["service_tier"] == "default"
         assert shown["model"] == "support-bot"
 
         theirs_view = (await client.get("/v1/usage", headers=bearer(their_key))).json()

@@ -32,7 +32,11 @@ class AdminPriceController(Controller):
     path = "/prices"
     tags = ["admin: billing"]
 
-    @get("/", summary="The price book: every version per base model, with the one in force now marked current")
+    @get(
+        "/",
+        summary="The price book: every version per base model and service tier, with the one in force now marked "
+        "current",
+    )
     async def list(self, db: DbSession, base_model: FromQuery[str | None] = None) -> PriceList:
         rows = await BillingService(db).prices(base_model)
         return PriceList(data=PriceOut.history(rows, datetime.now(UTC)))
@@ -40,7 +44,8 @@ class AdminPriceController(Controller):
     @put(
         "/",
         status_code=201,
-        summary="Add a version of a base model's prices (USD per million tokens), in force from effective_at",
+        summary="Add a version of a base model's prices (USD per million tokens) for a service tier, in force from "
+        "effective_at",
     )
     async def set(self, data: JSONBody[PriceSet], db: DbSession) -> PriceOut:
         service = BillingService(db)
@@ -51,6 +56,7 @@ class AdminPriceController(Controller):
             cached_input_per_mtok=data.cached_input_per_mtok,
             output_per_mtok=data.output_per_mtok,
             effective_at=data.effective_at,
+            service_tier=data.service_tier,
             now=now,
         )
         history = PriceOut.history(await service.prices(data.base_model), now)
@@ -89,7 +95,8 @@ class AdminBillingController(Controller):
 
     @get(
         "/report",
-        summary="Usage and cost of requests started in [start, end), by tenant, endpoint, base model or UTC day",
+        summary="Usage and cost of requests started in [start, end), by tenant, endpoint, base model, UTC day or "
+        "service tier",
         description="start and end: unix seconds or ISO 8601 (default: the last 24 hours; at most 92 days). "
         "format=csv answers a header row, one row per group and a totals row.",
     )

@@ -28,17 +28,21 @@ class PriceVersion(Base):
 
     __tablename__ = "prices"
     __table_args__ = (
-        UniqueConstraint("base_model", "effective_at", name="uq_prices_base_model_effective_at"),
+        UniqueConstraint("base_model", "service_tier", "effective_at", name="uq_prices_base_model_tier_effective_at"),
         CheckConstraint(
             "input_per_mtok >= 0 AND cached_input_per_mtok >= 0 AND output_per_mtok >= 0", name="non_negative"
         ),
         CheckConstraint("cached_input_per_mtok <= input_per_mtok", name="cached_not_above_input"),
         CheckConstraint("currency = 'USD'", name="currency"),
+        CheckConstraint("service_tier IN ('flex', 'default', 'priority')", name="service_tier"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     # The base model's name, as usage rows carry it; not a foreign key, since prices outlive a base model's row.
     base_model: Mapped[str] = mapped_column(String(200))
+    # The service tier these prices are for (OpenAI's service_tier); a tier with no version of its own is rated by
+    # the default tier's.
+    service_tier: Mapped[str] = mapped_column(String(16), default="default", server_default="default")
     input_per_mtok: Mapped[Decimal] = mapped_column(_price())  # prompt tokens not served from the prefix cache
     cached_input_per_mtok: Mapped[Decimal] = mapped_column(_price())  # prompt tokens served from the prefix cache
     output_per_mtok: Mapped[Decimal] = mapped_column(_price())

@@ -1,5 +1,12 @@
 """Rating and rounding: pure functions from summed usage and prices to report lines (no database, no clock).
 
+Which price rates a request: the version of its base model and its service tier in force when it started (the
+latest `effective_at <= started_at`). When its tier has no version in force then (a tier never priced, or priced
+only from later on), the default tier's version in force then rates it; with neither, it is unpriced (counted,
+rated 0). So a flex or priority price is optional: until an admin sets one, those tiers cost what default costs
+(docs/decisions/0026-service-tiers.md). `PriceBook` is that rule over versions in memory; the repository's SQL
+(`BillingUsageRepository.slices`) is the same rule in the database.
+
 Exact amounts are Decimals computed without any rounding (`_EXACT` traps it); money is rounded only in
 `round_report`, by the rule in docs/decisions/0011-billing-rounding.md: totals once, half-even; lines by
 largest remainder so that every rounded column adds up to its rounded total and each line's parts add up to its
@@ -15,10 +22,13 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from decimal import ROUND_FLOOR, ROUND_HALF_EVEN, Context, Decimal, Inexact, InvalidOperation, Rounded
 
+from loraplex.platform.service_tiers import ServiceTier
+
 TOKENS_PER_PRICE_UNIT = 1_000_000  # prices are per million tokens
 MONEY_QUANTUM = Decimal("0.000001")  # report money in whole micro-dollars
 RATE_QUANTUM = Decimal("0.0001")
 CURRENCY = "USD"
+DEFAULT_TIER: str = ServiceTier.DEFAULT.value  # the tier whose prices rate a request of a tier without its own
 
 # Exact arithmetic: 60 digits hold any sum of (token count < 2**63) x (price of 15 digits) over billions of rows, and
 # a result that would need rounding raises instead of silently losing a fraction of a cent.
@@ -35,6 +45,7 @@ class GroupBy(enum.StrEnum):
     ENDPOINT = "endpoint"
     MODEL = "model"
     DAY = "day"
+    SERVICE_TIER = "service_tier"
 
     @property
     def key_names(self) -> tuple[str, ...]:
@@ -47,6 +58,7 @@ _KEY_NAMES: dict[GroupBy, tuple[str, ...]] = {
     GroupBy.ENDPOINT: ("tenant_id", "endpoint_id", "model"),
     GroupBy.MODEL: ("base_model",),
     GroupBy.DAY: ("day",),
+    GroupBy.SERVICE_TIER: ("service_tier",),
 }
 
 
@@ -64,25 +76,33 @@ class DatedPrice:
     base_model: str
     effective_at: datetime
     terms: PriceTerms
+    service_tier: str = DEFAULT_TIER
 
 
 class PriceBook:
-    """Every version of every base model's prices; `in_force` answers which one rates a request."""
+    """Every version of every base model's prices, per service tier; `in_force` answers which one rates a request."""
 
     def __init__(self, prices: Iterable[DatedPrice]) -> None:
-        by_model: dict[str, list[DatedPrice]] = {}
+        by_book: dict[tuple[str, str], list[DatedPrice]] = {}
         for price in prices:
-            by_model.setdefault(price.base_model, []).append(price)
-        self._versions = {name: sorted(found, key=lambda p: p.effective_at) for name, found in by_model.items()}
-        self._starts = {name: [p.effective_at for p in found] for name, found in self._versions.items()}
+            by_book.setdefault((price.base_model, price.service_tier), []).append(price)
+        self._versions = {book: sorted(found, key=lambda p: p.effective_at) for book, found in by_book.items()}
+        self._starts = {book: [p.effective_at for p in found] for book, found in self._versions.items()}
 
-    def in_force(self, base_model: str, at: datetime) -> DatedPrice | None:
-        """The version of `base_model` with the latest `effective_at <= at`; None when no version had started."""
-        starts = self._starts.get(base_model)
+    def in_force(self, base_model: str, at: datetime, service_tier: str = DEFAULT_TIER) -> DatedPrice | None:
+        """The version of `base_model` and `service_tier` with the latest `effective_at <= at`, else the default
+        tier's; None when neither had a version started."""
+        own = self._latest((base_model, service_tier), at)
+        if own is not None or service_tier == DEFAULT_TIER:
+            return own
+        return self._latest((base_model, DEFAULT_TIER), at)
+
+    def _latest(self, book: tuple[str, str], at: datetime) -> DatedPrice | None:
+        starts = self._starts.get(book)
         if not starts:
             return None
         index = bisect.bisect_right(starts, at) - 1
-        return self._versions[base_model][index] if index >= 0 else None
+        return self._versions[book][index] if index >= 0 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +311,7 @@ class UsageRow:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    service_tier: str = DEFAULT_TIER
 
 
 def slices_of(rows: Iterable[UsageRow], book: PriceBook, key_of: Callable[[UsageRow], GroupKey]) -> list[UsageSlice]:
@@ -298,7 +319,7 @@ def slices_of(rows: Iterable[UsageRow], book: PriceBook, key_of: Callable[[Usage
     same slices the repository's SQL aggregation returns for rows in the database."""
     sums: dict[tuple[GroupKey, PriceTerms | None], list[int]] = {}
     for row in rows:
-        price = book.in_force(row.base_model, row.started_at)
+        price = book.in_force(row.base_model, row.started_at, row.service_tier)
         found = sums.setdefault((key_of(row), None if price is None else price.terms), [0, 0, 0, 0])
         found[0] += 1
         found[1] += row.prompt_tokens - row.cached_tokens

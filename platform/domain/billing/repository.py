@@ -13,7 +13,7 @@ from sqlalchemy import Date, and_, cast, exists, func, literal_column, or_, sele
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.domain.billing.models import PriceVersion
-from loraplex.platform.domain.billing.rating import GroupBy, GroupKey, PriceTerms, UsageSlice
+from loraplex.platform.domain.billing.rating import DEFAULT_TIER, GroupBy, GroupKey, PriceTerms, UsageSlice
 from loraplex.platform.domain.tenants.models import Tenant
 from loraplex.platform.domain.usage.models import UsageRecord
 from loraplex.platform.ids import TenantId
@@ -24,16 +24,21 @@ class PriceRepository:
         self._session = session
 
     async def list(self, base_model: str | None = None) -> list[PriceVersion]:
-        """Every version (of `base_model` only, if given), by base model, newest `effective_at` first."""
+        """Every version (of `base_model` only, if given), by base model and service tier, newest `effective_at`
+        first."""
         query = select(PriceVersion)
         if base_model is not None:
             query = query.where(PriceVersion.base_model == base_model)
-        query = query.order_by(PriceVersion.base_model, PriceVersion.effective_at.desc())
+        query = query.order_by(PriceVersion.base_model, PriceVersion.service_tier, PriceVersion.effective_at.desc())
         return list((await self._session.scalars(query)).all())
 
-    async def get_at(self, base_model: str, effective_at: datetime) -> PriceVersion | None:
+    async def get_at(self, base_model: str, service_tier: str, effective_at: datetime) -> PriceVersion | None:
         found: PriceVersion | None = await self._session.scalar(
-            select(PriceVersion).where(PriceVersion.base_model == base_model, PriceVersion.effective_at == effective_at)
+            select(PriceVersion).where(
+                PriceVersion.base_model == base_model,
+                PriceVersion.service_tier == service_tier,
+                PriceVersion.effective_at == effective_at,
+            )
         )
         return found
 
@@ -49,42 +54,51 @@ class BillingUsageRepository:
     def __init__(self, session: AsyncSession) -> None:
         self._session = session
 
-    async def has_usage_since(self, base_model: str, since: datetime) -> bool:
-        """Whether a request of `base_model` that started at or after `since` is recorded."""
-        query = select(exists().where(UsageRecord.base_model == base_model, UsageRecord.started_at >= since))
-        return bool(await self._session.scalar(query))
+    async def has_usage_since(self, base_model: str, since: datetime, service_tier: str | None = None) -> bool:
+        """Whether a request of `base_model` (and of `service_tier`, if given) that started at or after `since` is
+        recorded."""
+        conditions = [UsageRecord.base_model == base_model, UsageRecord.started_at >= since]
+        if service_tier is not None:
+            conditions.append(UsageRecord.service_tier == service_tier)
+        return bool(await self._session.scalar(select(exists().where(*conditions))))
 
     async def slices(
         self, *, start: datetime, end: datetime, group_by: GroupBy, tenant_id: TenantId | None = None
     ) -> list[UsageSlice]:
-        """Usage of requests started in [start, end), summed in the database by (group key, price version in force
-        when the request started). One pass over the usage rows of the range; what comes back is one row per
-        group and version, however many requests there were.
+        """Usage of requests started in [start, end), summed in the database by (group key, price version that
+        rates the request). One pass over the usage rows of the range; what comes back is one row per group and
+        version, however many requests there were.
 
-        A version is in force from its `effective_at` (inclusive) to the next version's (exclusive): the window
-        comes from `lead()` over the base model's versions, so each usage row joins at most one version."""
+        A version is in force from its `effective_at` (inclusive) to the next version's of the same base model and
+        tier (exclusive): the window comes from `lead()` over those versions, so each usage row joins at most one
+        version of its own tier (`own`), and, only when it found none, at most one of the default tier
+        (`fallback`): the rule of rating.py's docstring."""
         versions = select(
             PriceVersion.id,
             PriceVersion.base_model,
+            PriceVersion.service_tier,
             PriceVersion.input_per_mtok,
             PriceVersion.cached_input_per_mtok,
             PriceVersion.output_per_mtok,
             PriceVersion.effective_at.label("since"),
             func.lead(PriceVersion.effective_at)
-            .over(partition_by=PriceVersion.base_model, order_by=PriceVersion.effective_at)
+            .over(partition_by=(PriceVersion.base_model, PriceVersion.service_tier), order_by=PriceVersion.effective_at)
             .label("until"),
         ).cte("price_windows")
-        in_force = and_(
-            versions.c.base_model == UsageRecord.base_model,
-            UsageRecord.started_at >= versions.c.since,
-            or_(versions.c.until.is_(None), UsageRecord.started_at < versions.c.until),
-        )
+        own, fallback = versions.alias("own_tier"), versions.alias("default_tier")
+
+        def in_force(window: Any) -> Any:
+            return and_(
+                window.c.base_model == UsageRecord.base_model,
+                UsageRecord.started_at >= window.c.since,
+                or_(window.c.until.is_(None), UsageRecord.started_at < window.c.until),
+            )
+
         keys = self._key_columns(group_by)
-        price_columns = (
-            versions.c.id,
-            versions.c.input_per_mtok,
-            versions.c.cached_input_per_mtok,
-            versions.c.output_per_mtok,
+        # `fallback` joins only rows `own` did not: one of each pair is null, and coalesce takes the other.
+        price_columns = tuple(
+            func.coalesce(own.c[name], fallback.c[name])
+            for name in ("id", "input_per_mtok", "cached_input_per_mtok", "output_per_mtok")
         )
         query = (
             select(
@@ -96,7 +110,11 @@ class BillingUsageRepository:
                 func.coalesce(func.sum(UsageRecord.completion_tokens), 0),
             )
             .select_from(UsageRecord)
-            .outerjoin(versions, in_force)
+            .outerjoin(own, and_(in_force(own), own.c.service_tier == UsageRecord.service_tier))
+            .outerjoin(
+                fallback,
+                and_(in_force(fallback), fallback.c.service_tier == DEFAULT_TIER, own.c.id.is_(None)),
+            )
             .where(UsageRecord.started_at >= start, UsageRecord.started_at < end)
             .group_by(*keys, *price_columns)
         )
@@ -137,6 +155,8 @@ class BillingUsageRepository:
             return (UsageRecord.tenant_id, UsageRecord.endpoint_id, UsageRecord.model)
         if group_by is GroupBy.MODEL:
             return (UsageRecord.base_model,)
+        if group_by is GroupBy.SERVICE_TIER:
+            return (UsageRecord.service_tier,)
         # The UTC calendar day the request started.
         if self._session.get_bind().dialect.name == "postgresql":
             # A literal, not a bound parameter: GROUP BY must repeat the selected expression exactly.

@@ -16,6 +16,7 @@ from loraplex.platform.domain.billing.models import PRICE_PRECISION, PRICE_SCALE
 from loraplex.platform.domain.billing.rating import MONEY_QUANTUM, GroupBy, Line, line_fields
 from loraplex.platform.domain.billing.service import BillingReport
 from loraplex.platform.schemas import RequestBody, from_json_string
+from loraplex.platform.service_tiers import ServiceTier
 
 # USD per million tokens; a JSON string ("0.15") or number. At most 9 decimals: more is refused, not rounded.
 Price = Annotated[
@@ -50,6 +51,11 @@ class PriceSet(RequestBody):
         default=None, description="Prompt tokens served from the prefix cache; default a tenth of input_per_mtok."
     )
     output_per_mtok: Price
+    service_tier: Annotated[ServiceTier, from_json_string(ServiceTier)] = Field(
+        default=ServiceTier.DEFAULT,
+        description="The tier these prices are for. A request of a tier with no version in force is rated by the "
+        "default tier's.",
+    )
     effective_at: Annotated[datetime, from_json_string(datetime)] | None = Field(
         default=None,
         description="When the version takes effect (default now; without an offset, UTC). Not before the start of "
@@ -71,6 +77,7 @@ PriceStatus = Literal["scheduled", "current", "superseded"]
 class PriceOut(BaseModel):
     id: str
     base_model: str
+    service_tier: ServiceTier
     input_per_mtok: str
     cached_input_per_mtok: str
     output_per_mtok: str
@@ -84,6 +91,7 @@ class PriceOut(BaseModel):
         return cls(
             id=str(row.id),
             base_model=row.base_model,
+            service_tier=ServiceTier(row.service_tier),
             input_per_mtok=price_text(row.input_per_mtok),
             cached_input_per_mtok=price_text(row.cached_input_per_mtok),
             output_per_mtok=price_text(row.output_per_mtok),
@@ -95,24 +103,26 @@ class PriceOut(BaseModel):
 
     @classmethod
     def history(cls, rows: list[PriceVersion], now: datetime) -> list[PriceOut]:
-        """`rows` (by base model, newest first) with each one's status at `now`."""
+        """`rows` (by base model and tier, newest first) with each one's status at `now`."""
         out: list[PriceOut] = []
-        has_current: set[str] = set()
+        has_current: set[tuple[str, str]] = set()
         for row in rows:
             status: PriceStatus
+            book = (row.base_model, row.service_tier)
             if row.effective_at > now:
                 status = "scheduled"
-            elif row.base_model in has_current:
+            elif book in has_current:
                 status = "superseded"
             else:
                 status = "current"
-                has_current.add(row.base_model)
+                has_current.add(book)
             out.append(cls.of(row, status))
         return out
 
 
 class PriceList(BaseModel):
-    """The price book: per base model, scheduled versions, the current one and the superseded ones, newest first."""
+    """The price book: per base model and service tier, scheduled versions, the current one and the superseded
+    ones, newest first."""
 
     object: Literal["list"] = "list"
     data: list[PriceOut]
@@ -165,6 +175,10 @@ class DayKey(BaseModel):
     day: str = Field(description="The UTC date the requests started, YYYY-MM-DD.")
 
 
+class ServiceTierKey(BaseModel):
+    service_tier: str = Field(description="The service tier the requests ran on.")
+
+
 # Keys first, then the numbers (pydantic orders fields from the last base class to the first).
 class TenantLine(LineNumbers, TenantKey):
     pass
@@ -182,11 +196,16 @@ class DayLine(LineNumbers, DayKey):
     pass
 
 
+class ServiceTierLine(LineNumbers, ServiceTierKey):
+    pass
+
+
 _LINE_TYPES: dict[GroupBy, type[LineNumbers]] = {
     GroupBy.TENANT: TenantLine,
     GroupBy.ENDPOINT: EndpointLine,
     GroupBy.MODEL: ModelLine,
     GroupBy.DAY: DayLine,
+    GroupBy.SERVICE_TIER: ServiceTierLine,
 }
 
 
@@ -200,7 +219,7 @@ class BillingReportOut(BaseModel):
     end: datetime
     group_by: GroupBy
     currency: str
-    rows: list[TenantLine] | list[EndpointLine] | list[ModelLine] | list[DayLine]
+    rows: list[TenantLine] | list[EndpointLine] | list[ModelLine] | list[DayLine] | list[ServiceTierLine]
     totals: LineNumbers
 
     @classmethod

@@ -15,6 +15,7 @@ from loraplex.platform.domain.billing.rating import CURRENCY, GroupBy, Line, rat
 from loraplex.platform.domain.billing.repository import BillingUsageRepository, PriceRepository
 from loraplex.platform.errors import ApiError, conflict, invalid_request
 from loraplex.platform.ids import TenantId
+from loraplex.platform.service_tiers import ServiceTier
 
 PRICE_QUANTUM = Decimal(1).scaleb(-PRICE_SCALE)
 CACHED_INPUT_SHARE = Decimal("0.1")  # the cached-input price when none is given: a tenth of the input price
@@ -51,14 +52,17 @@ class BillingService:
         cached_input_per_mtok: Decimal | None,
         output_per_mtok: Decimal,
         effective_at: datetime | None,
+        service_tier: ServiceTier = ServiceTier.DEFAULT,
         now: datetime | None = None,
     ) -> PriceVersion:
-        """Add a version of `base_model`'s prices, in force from `effective_at` (default: now).
+        """Add a version of `base_model`'s prices for `service_tier`, in force from `effective_at` (default: now).
 
-        The past is never rewritten: a version is refused (409 `would_rewrite_history`) when any recorded request of
-        the base model started at or after its `effective_at`, since that request is already rated by the version
-        before. So a version may be dated back only over time in which the base model served nothing (its first
-        price, typically); otherwise it takes effect now or later. One version per instant (409 otherwise)."""
+        The past is never rewritten: a version is refused (409 `would_rewrite_history`) when a recorded request it
+        could rate started at or after its `effective_at`, since that request is already rated by the version
+        before. A flex or priority version rates only requests of its tier; a default version also those of a tier
+        without a version of its own, so for it every request of the base model counts. So a version may be dated
+        back only over time in which it would rate nothing (a first price, typically); otherwise it takes effect now
+        or later. One version per base model, tier and instant (409 otherwise)."""
         if await self._base_models.get_by_name(base_model) is None:
             raise invalid_request(
                 f"Unknown 'base_model': no base model is named '{base_model}'.",
@@ -71,21 +75,26 @@ class BillingService:
                 "'cached_input_per_mtok' must not exceed 'input_per_mtok'.", param="cached_input_per_mtok"
             )
         since = effective_at if effective_at is not None else (now or datetime.now(UTC))
-        if await self._usage.has_usage_since(base_model, since):
+        tier = service_tier.value
+        rated_tier = None if service_tier is ServiceTier.DEFAULT else tier
+        if await self._usage.has_usage_since(base_model, since, rated_tier):
+            of_tier = "" if rated_tier is None else f" on the {tier} tier"
             raise ApiError(
                 409,
-                f"Requests of '{base_model}' started at or after {since.isoformat()} are already recorded and rated "
-                "by the version then in force; a new version may take effect only after the latest of them.",
+                f"Requests of '{base_model}'{of_tier} started at or after {since.isoformat()} are already recorded "
+                "and rated by the version then in force; a new version may take effect only after the latest of them.",
                 code="would_rewrite_history",
                 param="effective_at",
             )
         duplicate = conflict(
-            f"'{base_model}' already has a price version effective at {since.isoformat()}.", param="effective_at"
+            f"'{base_model}' already has a {tier} tier price version effective at {since.isoformat()}.",
+            param="effective_at",
         )
-        if await self._prices.get_at(base_model, since) is not None:
+        if await self._prices.get_at(base_model, tier, since) is not None:
             raise duplicate
         version = PriceVersion(
             base_model=base_model,
+            service_tier=tier,
             input_per_mtok=input_per_mtok,
             cached_input_per_mtok=cached,
             output_per_mtok=output_per_mtok,
@@ -104,7 +113,8 @@ class BillingService:
     async def report(
         self, *, start: datetime, end: datetime, group_by: GroupBy, tenant_id: TenantId | None = None
     ) -> BillingReport:
-        """Requests started in [start, end), grouped, each rated by the price version in force when it started."""
+        """Requests started in [start, end), grouped, each rated by the price version in force when it started (of
+        its service tier, else of the default tier: rating.py)."""
         slices = await self._usage.slices(start=start, end=end, group_by=group_by, tenant_id=tenant_id)
         rounded = round_report(rate(slices))
         return BillingReport(

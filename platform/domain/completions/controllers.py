@@ -19,6 +19,7 @@ from litestar.params import JSONBody
 from litestar.response import Stream
 
 from loraplex.platform.auth import TenantPrincipal
+from loraplex.platform.concurrency import HeldLease, concurrency_error
 from loraplex.platform.db.pagination import MAX_PAGE_SIZE
 from loraplex.platform.dependencies import AppResources, Principal
 from loraplex.platform.domain.adapters.service import ready_adapter_ref
@@ -31,14 +32,15 @@ from loraplex.platform.domain.completions.service import (
     engine_body,
     engine_error,
     estimate_tokens,
-    limits_for,
     model_not_found,
     new_request_id,
     record_usage,
     record_usage_soon,
     relay,
     resolve,
+    resolve_service_tier,
     route,
+    tenant_terms,
 )
 from loraplex.platform.domain.endpoints.models import Endpoint
 from loraplex.platform.domain.endpoints.repository import EndpointRepository
@@ -69,21 +71,23 @@ def _too_large(_: HttpRequest[Any, Any, Any], __: RequestEntityTooLarge) -> Resp
 
 async def _start(
     resources: Resources, principal: TenantPrincipal, body: Request, path: str
-) -> tuple[Call, dict[str, str]]:
-    """Everything that can refuse the request, before any byte is sent: model, limits, a replica."""
+) -> tuple[Call, dict[str, str], HeldLease]:
+    """Everything that can refuse the request, before any byte is sent: model, limits, a replica, and last its
+    tenant's concurrency lease, which the caller owns from here on (and must release when the request ends)."""
     target = await resolve(resources, principal, body.model)
+    terms = await tenant_terms(resources, principal)
+    service_tier = resolve_service_tier(body.service_tier, terms.service_tiers)
     source = ready_adapter_ref(resources, target.adapter).uri if target.adapter is not None else None
     replica = await route(resources, principal, target, body)
     if replica is None:
         raise ApiError(
             503, f"No engine serves '{target.base_model.name}' right now; retry shortly.", code="engine_unavailable"
         )
-    tenant_limits, key_limits = await limits_for(resources, principal)
     decision = await resources.rate_limiter.acquire(
         tenant_id=str(principal.tenant_id),
         key_id=principal.key_id,
-        tenant=tenant_limits,
-        key=key_limits,
+        tenant=terms.limits,
+        key=terms.key_limits,
         tokens=estimate_tokens(body, replica.max_model_len),
     )
     if not decision.allowed:
@@ -102,11 +106,17 @@ async def _start(
             source,
             cache_salt=resources.hasher.derive("prefix-cache-salt", str(principal.tenant_id)),
             fairness_key=str(principal.tenant_id),
+            fairness_weight=terms.fairness_weight,
+            service_tier=service_tier,
         ),
         path=path,
+        service_tier=service_tier,
     )
+    admission = await resources.leases.acquire(str(principal.tenant_id), cap=terms.max_concurrent_requests)
+    if admission.lease is None:
+        raise concurrency_error(admission)
     # The request id is the usage row's key: a client can find what it was billed even if it got no chunk.
-    return call, {**decision.headers, "x-request-id": call.request_id}
+    return call, {**decision.headers, "x-request-id": call.request_id}, HeldLease(resources.leases, admission.lease)
 
 
 async def _complete(
@@ -116,7 +126,34 @@ async def _complete(
     # before the engine is asked, and then nothing runs.
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        call, headers = await _start(resources, principal, body, path)
+        call, headers, lease = await _start(resources, principal, body, path)
+    except BaseException:
+        await _unwatch(gone)
+        raise
+    # The lease is held until the request ends: released here when that is before a stream starts, else by the
+    # stream (when it ends, fails, or its client leaves).
+    try:
+        response = await _answer(resources, call, headers, gone, lease)
+    except BaseException:
+        await lease.release()
+        raise
+    if not isinstance(response, Stream):
+        await lease.release()
+    return response
+
+
+async def _unwatch(gone: asyncio.Future[None]) -> None:
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+
+
+async def _answer(
+    resources: Resources, call: Call, headers: dict[str, str], gone: asyncio.Future[None], lease: HeldLease
+) -> Response[Any]:
+    """The answer to an admitted request; `gone` watches its client until a stream (which watches it itself)
+    begins."""
+    body = call.body
+    try:
         if gone.done():
             await record_usage(resources, call)  # cancelled, zero tokens: the request id is accounted for
             raise ApiError(STATUS_CLIENT_CLOSED, "The client closed the connection.", code="client_closed")
@@ -130,8 +167,7 @@ async def _complete(
             return Response(answer, headers=headers)
     finally:
         # A stream is watched by Litestar's Stream from here on: this watcher must not take its messages.
-        gone.cancel()
-        await asyncio.gather(gone, return_exceptions=True)
+        await _unwatch(gone)
     # The engine validates the request before its first event (a prompt too long, a bad parameter): wait for that
     # first event, so such a request is a plain error response, not a 200 whose stream holds an error.
     events = relay(resources, call)
@@ -151,37 +187,54 @@ async def _complete(
         await events.aclose()
         await record_usage(resources, call)
         raise _failed(first["error"])
-    body_stream = _stream(resources, call, events, first)
+    body_stream = _stream(resources, call, events, first, lease)
     return Stream(
         body_stream,
         media_type="text/event-stream",
         headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         # Litestar does not close an iterator it stops reading (the client went away while a chunk was being
         # sent): closing it here ends the engine request and records the usage now, not when it is collected.
-        background=BackgroundTask(body_stream.aclose),
+        background=BackgroundTask(_end_stream, body_stream, lease),
     )
 
 
+async def _end_stream(body_stream: AsyncGenerator[str, None], lease: HeldLease) -> None:
+    await body_stream.aclose()
+    await lease.release()  # a stream never started has no finally to release it
+
+
 async def _stream(
-    resources: Resources, call: Call, events: AsyncGenerator[dict[str, Any], None], first: dict[str, Any] | None
+    resources: Resources,
+    call: Call,
+    events: AsyncGenerator[dict[str, Any], None],
+    first: dict[str, Any] | None,
+    lease: HeldLease,
 ) -> AsyncGenerator[str, None]:
     """SSE to the client: `first` (already taken from `events`), then the rest; an engine failure mid-stream ends
-    it with an error event. Usage is recorded from the finally, whether the stream ended, failed, or the client
-    went away: in a task of its own, so that a slow database never holds the end of a finished stream back."""
+    it with an error event. The lease is released before [DONE] is sent, so a client that sends its next request
+    as soon as it reads [DONE] finds its slot free. Usage is recorded (and the lease released, if it was not yet)
+    from the finally, whether the stream ended, failed, or the client went away; usage in a task of its own, so
+    that a slow database never holds the end of a finished stream back."""
     try:
-        if first is not None:  # the engine's first chat chunk carries the role delta
-            yield _sse(first)
-            async for event in events:
-                yield _sse(event)
-        yield SSE_DONE
-    except (EngineRequestError, EngineUnavailable) as exc:
-        call.tally.status = "error"
-        error = engine_error(exc)
-        yield _sse({"error": {"message": error.message, "type": "server_error", "param": None, "code": error.code}})
+        try:
+            if first is not None:  # the engine's first chat chunk carries the role delta
+                yield _sse(first)
+                async for event in events:
+                    yield _sse(event)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            call.tally.status = "error"
+            error = engine_error(exc)
+            message = {"message": error.message, "type": "server_error", "param": None, "code": error.code}
+            yield _sse({"error": message})
+        await events.aclose()
+        await lease.release()
         yield SSE_DONE
     finally:
-        await events.aclose()
-        record_usage_soon(resources, call)
+        try:
+            await events.aclose()
+            record_usage_soon(resources, call)
+        finally:
+            await lease.release()
 
 
 async def _disconnected(request: HttpRequest[Any, Any, Any]) -> None:
@@ -281,6 +334,7 @@ async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
             "model": call.target.model,
             "choices": answers,
             "usage": usage,
+            "service_tier": call.service_tier.value,
         }
     texts = []
     for index, choice in ordered:
@@ -305,6 +359,7 @@ async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
         "model": call.target.model,
         "choices": texts,
         "usage": usage,
+        "service_tier": call.service_tier.value,
     }
 
 

@@ -124,6 +124,9 @@ class _Common(RequestBody):
     metadata: (
         Annotated[dict[Identifier, Annotated[str, StringConstraints(max_length=512)]], Field(max_length=16)] | None
     ) = None
+    # OpenAI's tiers, without "scale" (and the SDK's newer names): "auto" or none is "default"; which of them a tenant
+    # may use is its admin's call (service.resolve_service_tier).
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
 
     @property
     def include_usage(self) -> bool:

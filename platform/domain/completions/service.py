@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -25,18 +26,25 @@ from loraplex.platform.domain.base_models.repository import BaseModelRepository
 from loraplex.platform.domain.completions.schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.domain.endpoints.models import Endpoint
 from loraplex.platform.domain.endpoints.repository import EndpointRepository
-from loraplex.platform.domain.fleet.client import EngineRequestError, EngineUnavailable, EngineUnreachable
+from loraplex.platform.domain.fleet.client import (
+    OVERLOADED,
+    EngineRequestError,
+    EngineUnavailable,
+    EngineUnreachable,
+)
 from loraplex.platform.domain.fleet.registry import Replica
 from loraplex.platform.domain.tenants.repository import TenantRepository
 from loraplex.platform.domain.usage.recorder import UsageEvent
-from loraplex.platform.errors import ApiError
+from loraplex.platform.errors import RETRY_AFTER_S, ApiError
 from loraplex.platform.ratelimit import Limits
 from loraplex.platform.resources import Resources
+from loraplex.platform.service_tiers import ServiceTier
 
 logger = logging.getLogger(__name__)
 
-# Replicas a request may be offered to when they refuse the connection (a crashed engine's registry entry lives
-# until its TTL runs out); the request has reached none of them, so trying another is safe.
+# Replicas a request may be offered to when they refuse it before running any of it: the connection (a crashed
+# engine's registry entry lives until its TTL runs out), or with a 503 (a full waiting queue: `overloaded`); the
+# request has run on none of them, so trying another is safe.
 MAX_REPLICA_TRIES = 3
 
 Request = ChatCompletionRequest | CompletionRequest
@@ -79,6 +87,7 @@ class Call:
     replica: Replica
     engine_body: dict[str, Any]
     path: str
+    service_tier: ServiceTier  # resolved: what the engine is asked for, the client is told and the usage row says
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     tally: UsageTally = field(default_factory=UsageTally)
 
@@ -112,9 +121,20 @@ def model_not_found(model: str) -> ApiError:
     )
 
 
-async def limits_for(resources: Resources, principal: TenantPrincipal) -> tuple[Limits, Limits]:
-    """The tenant's and its keys' per-minute limits: what an admin set, else the platform's defaults (a key may
-    use its whole tenant's budget unless limited on its own)."""
+@dataclass(frozen=True, slots=True)
+class TenantTerms:
+    """What the tenant's record says about serving its requests, each value what an admin set, else the platform's
+    default; read once per request (`tenant_terms`)."""
+
+    limits: Limits  # per minute, the whole tenant
+    key_limits: Limits  # per minute, each API key (default: the tenant's whole budget)
+    max_concurrent_requests: int  # in flight at once, across the platform
+    fairness_weight: float  # the tenant's weight in the engines' fair share
+    service_tiers: list[ServiceTier]  # what `service_tier` may name
+
+
+async def tenant_terms(resources: Resources, principal: TenantPrincipal) -> TenantTerms:
+    """The tenant's terms, from one read of its row (a tenant deleted since its key was cached: the defaults)."""
     settings = resources.settings
     async with resources.sessions() as session:
         tenant = await TenantRepository(session).get(principal.tenant_id)
@@ -122,7 +142,34 @@ async def limits_for(resources: Resources, principal: TenantPrincipal) -> tuple[
     tokens = (tenant.tokens_per_minute if tenant else None) or settings.default_tokens_per_minute
     key_requests = (tenant.key_requests_per_minute if tenant else None) or requests
     key_tokens = (tenant.key_tokens_per_minute if tenant else None) or tokens
-    return Limits(requests, tokens), Limits(key_requests, key_tokens)
+    cap = (tenant.max_concurrent_requests if tenant else None) or settings.default_max_concurrent_requests
+    return TenantTerms(
+        limits=Limits(requests, tokens),
+        key_limits=Limits(key_requests, key_tokens),
+        max_concurrent_requests=cap,
+        fairness_weight=tenant.fairness_weight if tenant else 1.0,
+        service_tiers=(
+            tenant.allowed_service_tiers(settings.default_service_tiers)
+            if tenant
+            else list(settings.default_service_tiers)
+        ),
+    )
+
+
+def resolve_service_tier(requested: str | None, allowed: Sequence[ServiceTier]) -> ServiceTier:
+    """The tier a request runs on: what it named, `auto` (or nothing) being `default`; 400
+    `service_tier_not_allowed` when the tenant may not use it (the schema has refused anything that is no tier)."""
+    tier = ServiceTier.DEFAULT if requested is None or requested == "auto" else ServiceTier(requested)
+    if tier not in allowed:
+        names = ", ".join(f"'{t.value}'" for t in allowed)
+        raise ApiError(
+            400,
+            f"This account may not use service_tier '{tier.value}'; it may use {names} (or 'auto', which is "
+            "'default'). An administrator grants other tiers.",
+            code="service_tier_not_allowed",
+            param="service_tier",
+        )
+    return tier
 
 
 def estimate_tokens(body: Request, max_model_len: int = 0) -> int:
@@ -140,19 +187,36 @@ def estimate_tokens(body: Request, max_model_len: int = 0) -> int:
 
 
 def engine_body(
-    target: Target, body: Request, adapter_source: str | None, cache_salt: str, fairness_key: str = ""
+    target: Target,
+    body: Request,
+    adapter_source: str | None,
+    cache_salt: str,
+    fairness_key: str = "",
+    *,
+    fairness_weight: float = 1.0,
+    service_tier: ServiceTier = ServiceTier.DEFAULT,
 ) -> dict[str, Any]:
     """The engine request: the tenant's fields, the endpoint's defaults under them, always streamed with running
     usage (so billing knows what each relayed chunk cost), and the tenant's `cache_salt`, which keeps its prefix-cache
     blocks apart from every other tenant's (a shared block would tell one tenant, through `cached_tokens`, what
-    another sent)."""
+    another sent). Fair share: the tenant (`fairness_key`) and its weight, and the resolved `service_tier`, which
+    the engine turns into the request's priority (the platform never sends `priority` itself)."""
     defaults = dict(target.endpoint.defaults or {}) if target.endpoint is not None else {}
     # Only what the client sent: a schema default (completions' max_tokens=16) must not hide the endpoint's default.
     # The engine has OpenAI's defaults for what neither gives.
     fields = body.model_dump(
         exclude_unset=True,
         exclude_none=True,
-        exclude={"model", "stream", "stream_options", "user", "safety_identifier", "prompt_cache_key", "metadata"},
+        exclude={
+            "model",
+            "stream",
+            "stream_options",
+            "user",
+            "safety_identifier",
+            "prompt_cache_key",
+            "metadata",
+            "service_tier",
+        },
     )
     merged: dict[str, Any] = {**defaults, **fields}
     merged["model"] = target.base_model.name
@@ -160,6 +224,8 @@ def engine_body(
     merged["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     merged["cache_salt"] = cache_salt
     merged["fairness_key"] = fairness_key  # the tenant: tenants share an engine fairly (its VTC scheduler)
+    merged["fairness_weight"] = fairness_weight
+    merged["service_tier"] = service_tier.value
     if target.adapter is not None:
         assert adapter_source is not None
         assert target.adapter.digest is not None
@@ -192,25 +258,37 @@ def usage_event(call: Call) -> UsageEvent:
         status=call.tally.status,
         started_at=call.started_at,
         finished_at=datetime.now(UTC),
+        service_tier=call.service_tier.value,
     )
 
 
-async def route(resources: Resources, principal: TenantPrincipal, target: Target, body: Request) -> Replica | None:
-    """The replica the router picks for this request (decision 0012), or None when none serves its base model."""
+async def route(
+    resources: Resources,
+    principal: TenantPrincipal,
+    target: Target,
+    body: Request,
+    exclude: frozenset[str] = frozenset(),
+) -> Replica | None:
+    """The replica the router picks for this request (decision 0012), never one in `exclude` (ids of replicas it
+    has tried), or None when no other serves its base model."""
     digest = target.adapter.digest if target.adapter is not None else None
     affinity = f"{principal.tenant_id}:{body.prompt_cache_key or ''}"
-    return await resources.router.pick(target.base_model.name, digest, affinity)
+    return await resources.router.pick(target.base_model.name, digest, affinity, exclude)
 
 
 async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, Any], None]:
     """The engine's events for this call, rewritten for the client (our id, the client's model name); the tally
     follows exactly the chunks handed out. Usage chunks pass only when the client asked for them.
 
-    A replica that refuses the connection never saw the request: it is marked unreachable (the router then skips
-    it) and the request goes to the router's next choice, up to MAX_REPLICA_TRIES replicas. Once a connection is
-    open the request stays there: a failure after that ends it, since the engine may have started generating."""
+    A replica that refuses the request before running any of it (the connection: it is marked unreachable and the
+    router skips it for a while; or a 503, `overloaded` when its waiting queue is full) is left for the router's
+    next choice among the replicas not tried yet, up to MAX_REPLICA_TRIES. When none is left the last refusal is
+    raised, except that if any replica said it was overloaded the request is refused as overloaded, with the
+    shortest Retry-After of those replicas (the soonest one of them expects room). Once an engine has accepted the
+    request it stays there: a failure after that ends it, since the engine may have started generating."""
     created = int(time.time())
     tried: set[str] = set()
+    overloaded: list[EngineRequestError] = []
     while True:
         events = resources.fleet.client(call.replica).stream(call.path, call.engine_body)
         try:
@@ -219,13 +297,25 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
         except StopAsyncIteration:
             await events.aclose()  # type: ignore[attr-defined]
             return
-        except EngineUnreachable:
+        except (EngineUnreachable, EngineRequestError) as exc:
             await events.aclose()  # type: ignore[attr-defined]
+            if isinstance(exc, EngineRequestError) and exc.status_code != 503:
+                raise  # the engine judged the request itself: another replica would say the same
+            if isinstance(exc, EngineRequestError) and exc.overloaded:
+                overloaded.append(exc)
+                resources.metrics.count_engine_overloaded(call.replica.id)
             tried.add(call.replica.id)
-            replica = await route(resources, call.principal, call.target, call.body)
-            if replica is None or replica.id in tried or len(tried) >= MAX_REPLICA_TRIES:
+            replica = None
+            if len(tried) < MAX_REPLICA_TRIES:
+                replica = await route(resources, call.principal, call.target, call.body, frozenset(tried))
+            if replica is None:
+                if overloaded:
+                    resources.metrics.count_overloaded(str(call.principal.tenant_id))
+                    raise _overloaded(overloaded) from exc
                 raise
-            logger.info("%s: engine %s refused the connection; trying %s", call.request_id, call.replica.id, replica.id)
+            logger.info(
+                "%s: engine %s refused the request (%s); trying %s", call.request_id, call.replica.id, exc, replica.id
+            )
             call.replica = replica
         except BaseException:
             await events.aclose()  # type: ignore[attr-defined]
@@ -244,6 +334,7 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
             usage = event.pop("usage", None)
             choices = event.get("choices") or []
             event["id"], event["model"], event["created"] = call.request_id, call.target.model, created
+            event["service_tier"] = call.service_tier.value  # the platform's resolution, whatever the engine echoes
             if not choices:  # the final usage-only chunk
                 call.tally.take(usage)
                 if call.body.include_usage and usage:
@@ -258,6 +349,12 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
             event = await anext(events, None)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+
+
+def _overloaded(refusals: list[EngineRequestError]) -> EngineRequestError:
+    """One overloaded refusal for all of `refusals`, with the shortest Retry-After any of them gave."""
+    waits = [r.retry_after_s for r in refusals if r.retry_after_s is not None]
+    return EngineRequestError(503, refusals[-1].body, retry_after_s=min(waits) if waits else None)
 
 
 def engine_failure(code: str | None) -> dict[str, Any]:
@@ -302,6 +399,17 @@ def engine_error(exc: EngineRequestError | EngineUnavailable) -> ApiError:
     if isinstance(exc, EngineUnavailable):
         return ApiError(503, "The engine serving this model is unavailable; retry shortly.", code="engine_unavailable")
     error = exc.body.get("error") or {}
+    if exc.overloaded:
+        # Every replica tried was full: the documented 503 of an overloaded server, before any byte of an answer.
+        wait_s = max(1, math.ceil(exc.retry_after_s if exc.retry_after_s is not None else RETRY_AFTER_S))
+        return ApiError(
+            503,
+            f"The engines serving this model are at capacity; please retry after {wait_s} s.",
+            code=OVERLOADED,
+            headers={"Retry-After": str(wait_s)},
+        )
+    if exc.status_code == 503:
+        return ApiError(503, "The engine serving this model is unavailable; retry shortly.", code="engine_unavailable")
     if exc.status_code in (401, 403):
         # The engine refused the platform itself (LORAPLEX_ENGINE_API_KEY does not match its --api-key): ours to fix,
         # and the tenant's key must not look wrong.

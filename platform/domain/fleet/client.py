@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Coroutine, MutableMapping
 from contextlib import suppress
 from typing import Any, Protocol
@@ -29,13 +30,42 @@ class EngineUnreachable(EngineUnavailable):
     """No connection could be opened to the engine: the request never reached it, so another replica may take it."""
 
 
-class EngineRequestError(Exception):
-    """The engine refused the request: its status and OpenAI error body, to pass on to the client."""
+# The engine's error code for a refusal by its bounded waiting queue (503, with Retry-After, before any byte).
+OVERLOADED = "overloaded"
 
-    def __init__(self, status_code: int, body: dict[str, Any]) -> None:
+
+class EngineRequestError(Exception):
+    """The engine refused the request: its status and OpenAI error body, to pass on to the client, and its
+    Retry-After in seconds (None when it sent none, or one that is not a number of seconds)."""
+
+    def __init__(self, status_code: int, body: dict[str, Any], *, retry_after_s: float | None = None) -> None:
         super().__init__(f"engine answered {status_code}: {body}")
         self.status_code = status_code
         self.body = body
+        self.retry_after_s = retry_after_s
+
+    @property
+    def code(self) -> str | None:
+        error = self.body.get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+        return code if isinstance(code, str) else None
+
+    @property
+    def overloaded(self) -> bool:
+        """The engine's waiting queue is full: it refused the request before queueing any of it."""
+        return self.status_code == 503 and self.code == OVERLOADED
+
+
+def retry_after_seconds(value: str | bytes | None) -> float | None:
+    """A Retry-After header's delay in seconds; None when absent, or given as an HTTP date (engines send seconds)."""
+    if value is None:
+        return None
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    try:
+        seconds = float(text.strip())
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 class EngineClient(Protocol):
@@ -100,7 +130,8 @@ class HttpEngineClient:
             async with self._client.stream("POST", path, json=body) as response:
                 if response.status_code != 200:
                     raw = await response.aread()
-                    raise EngineRequestError(response.status_code, _error_body(raw))
+                    retry_after_s = retry_after_seconds(response.headers.get("retry-after"))
+                    raise EngineRequestError(response.status_code, _error_body(raw), retry_after_s=retry_after_s)
                 async for event in _events(response.aiter_lines()):
                     yield event
         except httpx.HTTPError as exc:
@@ -163,7 +194,10 @@ class InProcessEngineClient:
                     raw += message.get("body", b"")
                     if not message.get("more_body"):
                         break
-                raise EngineRequestError(status, _error_body(raw))
+                # ASGI headers: (name, value) pairs of bytes, names lowercase by convention only.
+                header = next((v for k, v in start.get("headers") or () if k.lower() == b"retry-after"), None)
+                retry_after_s = retry_after_seconds(header)
+                raise EngineRequestError(status, _error_body(raw), retry_after_s=retry_after_s)
             buffer = ""
             while True:
                 message = await self._next(chunks, task)

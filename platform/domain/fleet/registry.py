@@ -170,8 +170,13 @@ class Router:
         self._kv = kv
         self._sent: dict[str, collections.deque[float]] = {}  # replica id -> monotonic times of recent picks
 
-    async def pick(self, base_model: str, adapter_digest: str | None, affinity: str | None) -> Replica | None:
-        serving = [r for r in await self.fleet.replicas() if r.base_model == base_model]
+    async def pick(
+        self, base_model: str, adapter_digest: str | None, affinity: str | None, exclude: frozenset[str] = frozenset()
+    ) -> Replica | None:
+        """The replica for a request (see the module's docstring), never one whose id is in `exclude` (replicas this
+        request has already tried); None when no other serves `base_model`."""
+        replicas = await self.fleet.replicas()
+        serving = [r for r in replicas if r.base_model == base_model and r.id not in exclude]
         candidates = [r for r in serving if self.fleet.reachable(r)] or serving
         if not candidates:
             return None

@@ -27,7 +27,7 @@ class UsageController(Controller):
         summary="Your usage: totals and cost over [start, end), and the requests in it, newest first",
         description="start and end: unix seconds or ISO 8601 (default: the last 24 hours; at most 92 days). "
         "`billing` is what the period costs, rated and rounded as the admin billing report does; "
-        "group_by=endpoint|model|day adds `billing.rows`.",
+        "group_by=endpoint|model|day|service_tier adds `billing.rows`.",
     )
     async def usage(
         self,

@@ -31,5 +31,6 @@ class UsageRecord(Base):
     cached_tokens: Mapped[int] = mapped_column(default=0)
     completion_tokens: Mapped[int] = mapped_column(default=0)
     status: Mapped[str] = mapped_column(String(16))  # ok | length | error | cancelled
+    service_tier: Mapped[str] = mapped_column(String(16), default="default", server_default="default")
     started_at: Mapped[datetime]
     finished_at: Mapped[datetime]

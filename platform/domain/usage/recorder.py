@@ -20,7 +20,7 @@ import itertools
 import json
 import logging
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import datetime
 from typing import Any, Protocol, cast
 
@@ -31,12 +31,15 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from loraplex.platform.domain.usage.repository import UsageRepository
 from loraplex.platform.ids import TenantId
 from loraplex.platform.kv import KeyValueStore, RedisStore
+from loraplex.platform.service_tiers import ServiceTier
 
 logger = logging.getLogger(__name__)
 
 OUTBOX_KEY = "usage:outbox"
 DEAD_LETTER_KEY = "usage:dead"  # entries the database refuses for good (e.g. their tenant was deleted)
 
+
+_TIERS = frozenset(tier.value for tier in ServiceTier)
 
 # Column widths of the usage table (models.py).
 _MAX_LENGTHS = {
@@ -67,6 +70,7 @@ class UsageEvent:
     status: str  # ok | length | error | cancelled
     started_at: datetime  # timezone-aware
     finished_at: datetime
+    service_tier: str = ServiceTier.DEFAULT.value  # the tier it ran on, resolved (never "auto")
 
     def __post_init__(self) -> None:
         # Checked here, at the caller, so that the database never refuses an event for its shape.
@@ -78,6 +82,8 @@ class UsageEvent:
             raise ValueError("usage event: token counts must be >= 0")
         if self.started_at.tzinfo is None or self.finished_at.tzinfo is None:
             raise ValueError("usage event: started_at and finished_at must be timezone-aware")
+        if self.service_tier not in _TIERS:
+            raise ValueError(f"usage event: service_tier must be one of {sorted(_TIERS)}, got {self.service_tier!r}")
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,9 +98,12 @@ class UsageEvent:
 
     @classmethod
     def decode(cls, raw: bytes) -> UsageEvent:
-        """Raise ValueError (or KeyError, TypeError) on an entry that is not an encoded event."""
+        """Raise ValueError (or KeyError, TypeError) on an entry that is not an encoded event. A field with a default
+        may be absent: an entry that a replica of an earlier version deferred, before the field was added."""
         values = json.loads(raw)
-        if not isinstance(values, dict) or set(values) != {f.name for f in fields(cls)}:
+        names = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        if not isinstance(values, dict) or not required <= set(values) <= names:
             raise ValueError("not a usage event")
         values["tenant_id"] = TenantId(uuid.UUID(values["tenant_id"]))
         for name in ("endpoint_id", "adapter_id"):

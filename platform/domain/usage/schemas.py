@@ -10,7 +10,14 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from loraplex.platform.domain.billing.rating import GroupBy
-from loraplex.platform.domain.billing.schemas import BillingReportOut, DayLine, EndpointLine, LineNumbers, ModelLine
+from loraplex.platform.domain.billing.schemas import (
+    BillingReportOut,
+    DayLine,
+    EndpointLine,
+    LineNumbers,
+    ModelLine,
+    ServiceTierLine,
+)
 from loraplex.platform.domain.billing.service import BillingReport
 from loraplex.platform.domain.usage.models import UsageRecord
 from loraplex.platform.domain.usage.repository import UsageTotals
@@ -63,6 +70,7 @@ class UsageGroupBy(enum.StrEnum):
     ENDPOINT = "endpoint"
     MODEL = "model"
     DAY = "day"
+    SERVICE_TIER = "service_tier"
 
     @property
     def billing(self) -> GroupBy:
@@ -80,7 +88,7 @@ class UsageBillingOut(LineNumbers, _BillingHead):
     rating and rounding (docs/decisions/0011-billing-rounding.md) and money as decimal strings. The numbers are
     that report's totals; `rows` (with `?group_by=`) its lines, which add up to them."""
 
-    rows: list[EndpointLine] | list[ModelLine] | list[DayLine] | None = None
+    rows: list[EndpointLine] | list[ModelLine] | list[DayLine] | list[ServiceTierLine] | None = None
 
     @classmethod
     def of(cls, report: BillingReport, group_by: UsageGroupBy | None) -> UsageBillingOut:
@@ -103,6 +111,7 @@ class UsageRecordOut(BaseModel):
     cached_tokens: int
     completion_tokens: int
     status: str
+    service_tier: str = Field(description="The service tier the request ran on (and is priced at).")
     started_at: datetime
     finished_at: datetime
 
@@ -115,6 +124,7 @@ class UsageRecordOut(BaseModel):
             cached_tokens=record.cached_tokens,
             completion_tokens=record.completion_tokens,
             status=record.status,
+            service_tier=record.service_tier,
             started_at=record.started_at,
             finished_at=record.finished_at,
         )
