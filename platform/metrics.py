@@ -72,30 +72,30 @@ class PlatformMetrics:
 
     def __init__(self, rate_limiter: RateLimiter, usage: UsageRecorder) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["tenant", "adapter"]
+        labels = ["tenant", "adapter", "service_tier"]
         self.requests = Counter(
             f"{_PREFIX}_requests",
-            "Completion requests with a usage row, by tenant id, adapter id ('' for a base model) and status "
-            "(ok, length, error, cancelled).",
+            "Completion requests with a usage row, by tenant id, adapter id ('' for a base model), service tier and "
+            "status (ok, length, error, cancelled).",
             [*labels, "status"],
             registry=self.registry,
         )
         self.prompt_tokens = Counter(
             f"{_PREFIX}_prompt_tokens",
-            "Prompt tokens billed (cached ones included), by tenant id and adapter id.",
+            "Prompt tokens billed (cached ones included), by tenant id, adapter id and service tier.",
             labels,
             registry=self.registry,
         )
         # Prefix-cache hit rate per tenant or adapter = cached_prompt_tokens / prompt_tokens, summed by that label.
         self.cached_prompt_tokens = Counter(
             f"{_PREFIX}_cached_prompt_tokens",
-            "Prompt tokens served from the prefix cache (billed at the cached price), by tenant id and adapter id.",
+            "Prompt tokens served from the prefix cache (billed at the cached price), by tenant, adapter and tier.",
             labels,
             registry=self.registry,
         )
         self.completion_tokens = Counter(
             f"{_PREFIX}_completion_tokens",
-            "Completion tokens billed, by tenant id and adapter id.",
+            "Completion tokens billed, by tenant id, adapter id and service tier.",
             labels,
             registry=self.registry,
         )
@@ -142,10 +142,11 @@ class PlatformMetrics:
         """Count one request's usage row (call once per request, where the row is recorded)."""
         tenant = str(event.tenant_id)
         adapter = "" if event.adapter_id is None else str(event.adapter_id)
-        self.requests.labels(tenant, adapter, event.status).inc()
-        self.prompt_tokens.labels(tenant, adapter).inc(event.prompt_tokens)
-        self.cached_prompt_tokens.labels(tenant, adapter).inc(event.cached_tokens)
-        self.completion_tokens.labels(tenant, adapter).inc(event.completion_tokens)
+        tier = str(event.service_tier)
+        self.requests.labels(tenant, adapter, tier, event.status).inc()
+        self.prompt_tokens.labels(tenant, adapter, tier).inc(event.prompt_tokens)
+        self.cached_prompt_tokens.labels(tenant, adapter, tier).inc(event.cached_tokens)
+        self.completion_tokens.labels(tenant, adapter, tier).inc(event.completion_tokens)
 
     def count_refusal(self, tenant_id: str, decision: RateDecision) -> None:
         if not decision.allowed and decision.refusal is not None:

@@ -88,8 +88,8 @@ def test_tokens_and_cache_hits_per_tenant_and_adapter_agree_with_usage(platform:
     assert base_runs[0][1] == 0 < base_runs[1][1]
 
     text = scrape(platform)
-    base = {"tenant": mine.id, "adapter": ""}
-    on_adapter = {"tenant": mine.id, "adapter": adapter["id"]}
+    base = {"tenant": mine.id, "adapter": "", "service_tier": "default"}
+    on_adapter = {"tenant": mine.id, "adapter": adapter["id"], "service_tier": "default"}
     assert value(text, f"{PREFIX}_prompt_tokens_total", **base) == sum(run[0] for run in base_runs)
     assert value(text, f"{PREFIX}_cached_prompt_tokens_total", **base) == base_runs[1][1] > 0
     assert value(text, f"{PREFIX}_completion_tokens_total", **base) == sum(run[2] for run in base_runs)
@@ -101,7 +101,7 @@ def test_tokens_and_cache_hits_per_tenant_and_adapter_agree_with_usage(platform:
     assert total(text, requests, **on_adapter) == 1
 
     # The other tenant's series are its own: same prompt, none of this tenant's cache.
-    other = {"tenant": theirs.id, "adapter": ""}
+    other = {"tenant": theirs.id, "adapter": "", "service_tier": "default"}
     assert value(text, f"{PREFIX}_prompt_tokens_total", **other) == their_run[0]
     assert value(text, f"{PREFIX}_cached_prompt_tokens_total", **other) == their_run[1] == 0
 
@@ -179,7 +179,7 @@ def test_each_instance_has_its_own_registry() -> None:
     first.count_usage(event(tenant, adapter))
     first.count_usage(event(tenant, adapter, status="cancelled"))
     text = first.render().decode()
-    labels = {"tenant": str(tenant), "adapter": str(adapter)}
+    labels = {"tenant": str(tenant), "adapter": str(adapter), "service_tier": "default"}
     assert value(text, f"{PREFIX}_requests_total", **labels, status="ok") == 1
     assert value(text, f"{PREFIX}_requests_total", **labels, status="cancelled") == 1
     assert value(text, f"{PREFIX}_prompt_tokens_total", **labels) == 200
