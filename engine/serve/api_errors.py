@@ -5,6 +5,8 @@ They live apart from both so that the dependency runs one way: `server` imports 
 
 from __future__ import annotations
 
+from pydantic import BaseModel
+
 
 class ApiError(Exception):
     """An error to answer in OpenAI's envelope with this status."""
@@ -21,4 +23,17 @@ class ClientDisconnected(Exception):
     """The client closed the connection before its non-streaming response was ready."""
 
 
-__all__ = ["ApiError", "ClientDisconnected"]
+class ErrorDetail(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+__all__ = ["ApiError", "ClientDisconnected", "ErrorDetail", "ErrorResponse"]

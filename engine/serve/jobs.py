@@ -18,7 +18,7 @@ from loraplex.engine.core.outputs import PositionLogprobs, RequestOutput
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.lora.ref import AdapterRef
 from loraplex.engine.serve.api_errors import ClientDisconnected
-from loraplex.engine.serve.async_engine import RequestStream
+from loraplex.engine.serve.async_engine import AsyncEngine, RequestStream
 from loraplex.engine.serve.protocol import Usage
 
 T = TypeVar("T")
@@ -52,7 +52,32 @@ class Job:
     fairness_weight: float = 1.0
     priority: int = 0
     service_tier: str = "default"  # OpenAI's tier the request is served in, echoed in responses
-    streams: list[RequestStream] = field(default_factory=list)  # each choice's, once submitted (`Serving.start`)
+    streams: list[RequestStream] = field(default_factory=list)  # each choice's, once submitted (`start`)
+
+    def envelope(self) -> dict[str, Any]:
+        """The fields every answer and chunk of this job carries besides its choices and usage."""
+        return {"id": self.response_id, "created": self.created, "model": self.model, "service_tier": self.service_tier}
+
+    def start(self, engine: AsyncEngine) -> None:
+        """Queue every choice in the engine, now: EngineOverloaded (or any error of a submission) comes before the
+        answer's first byte, and leaves none of the job's requests queued."""
+        try:
+            for index in range(self.num_choices):
+                self.streams.append(
+                    engine.submit(
+                        self.checked(index),
+                        request_id=self.request_id(index),
+                        lora=self.lora,
+                        cache_salt=self.cache_salt,
+                        prefill_after=self.prefill_after(index),
+                        fairness_key=self.fairness_key,
+                        fairness_weight=self.fairness_weight,
+                        priority=self.priority,
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Abort every submitted choice that has not finished (idempotent): the job's answer ended, or never began."""

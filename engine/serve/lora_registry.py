@@ -33,7 +33,7 @@ from loraplex.engine.lora.manager import AdapterState
 from loraplex.engine.lora.ref import S3_SCHEME, AdapterRef, LoRARequest
 from loraplex.engine.serve.api_errors import ApiError
 from loraplex.engine.serve.async_engine import AsyncEngine
-from loraplex.engine.serve.protocol import MAX_ADAPTER_NAME_CHARS
+from loraplex.engine.serve.lora_spec import MAX_ADAPTER_NAME_CHARS
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ one place.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
@@ -24,7 +23,6 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
-    StrictStr,
     StringConstraints,
     field_validator,
     model_validator,
@@ -33,6 +31,7 @@ from pydantic import (
 from loraplex.engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from loraplex.engine.errors import RequestError
 from loraplex.engine.serve.logprobs import ChoiceLogprobs, CompletionLogprobs
+from loraplex.engine.serve.lora_spec import LoraAdapterSpec
 from loraplex.engine.serve.output_formats import ResponseFormat, StructuredOutputsField
 from loraplex.engine.serve.tool_calls import (
     DeltaToolCall,
@@ -45,10 +44,6 @@ from loraplex.engine.serve.tool_calls import (
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
-
-MAX_ADAPTER_NAME_CHARS = 256
-DIGEST_PREFIX = "sha256:"
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 # Completions' `prompt`: one text, one token-id list, or a batch of either (one choice per prompt).
 Prompt = str | list[int] | list[str] | list[list[int]]
@@ -79,46 +74,6 @@ class StreamOptions(BaseModel):
     # vLLM's: every chunk carries the usage so far (and the closing usage chunk comes too, as if include_usage),
     # so a caller relaying chunks knows what it has handed out when its own client goes away.
     continuous_usage_stats: StrictBool | None = False
-
-
-class LoraAdapterSpec(BaseModel):
-    """`lora_adapter`: run the request with the adapter whose two files (PEFT's save_pretrained folder) are at
-    `source` and hash to `digest` (`adapter_digest`'s "sha256:<64 hex>"). Not OpenAI's: a trusted caller's field.
-
-    The digest is trusted as the adapter's identity (the prefix cache and the pool key on it) and verified when the
-    engine reads the files: content that hashes otherwise fails the request. Which sources are accepted at all is
-    the server's `AdapterRoots`' decision, not this shape's.
-    """
-
-    model_config = ConfigDict(extra="forbid")  # unlike the requests': a misspelt key here must not pass unnoticed
-
-    name: StrictStr  # how logs and metrics call it
-    source: StrictStr  # s3://bucket/prefix, or an absolute folder
-    digest: StrictStr
-
-    @field_validator("name")
-    @classmethod
-    def _name_shape(cls, value: str) -> str:
-        if not value or len(value) > MAX_ADAPTER_NAME_CHARS or not value.isprintable() or value != value.strip():
-            raise ValueError(
-                f"name must be 1 to {MAX_ADAPTER_NAME_CHARS} printable characters, without surrounding spaces"
-            )
-        return value
-
-    @field_validator("source")
-    @classmethod
-    def _source_shape(cls, value: str) -> str:
-        if not value or not value.isprintable():
-            raise ValueError("source must be an s3://bucket/prefix URI or an absolute folder")
-        return value
-
-    @field_validator("digest")
-    @classmethod
-    def _digest_shape(cls, value: str) -> str:
-        digest = value.lower()  # hex digits are case-free; the engine's digests are lower case
-        if not _DIGEST.fullmatch(digest):
-            raise ValueError(f"digest must be {DIGEST_PREFIX!r} followed by 64 hex digits")
-        return digest
 
 
 # OpenAI's service tiers as scheduler priorities (lower is served first, vLLM's convention).
@@ -344,15 +299,20 @@ class Usage(BaseModel):
         )
 
 
-class CompletionResponse(BaseModel):
+class _Answer(BaseModel):
+    """What every answer and chunk of both APIs carries besides its choices."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
     system_fingerprint: str | None = None
     service_tier: str | None = None
+
+
+class CompletionResponse(_Answer):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
 
 
 # A stream's chunks have the same shape as the response (OpenAI's object is "text_completion" for both).
@@ -543,15 +503,10 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Answer):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
-    system_fingerprint: str | None = None
-    service_tier: str | None = None
 
 
 class DeltaMessage(WithoutNulls):
@@ -570,15 +525,10 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Answer):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
-    service_tier: str | None = None
 
 
 # --- /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) ----------------------------------------------------
@@ -593,7 +543,7 @@ class UnloadLoRAAdapterRequest(_Request):
     lora_name: str
 
 
-# --- /v1/models and errors ---------------------------------------------------------------------------------------
+# --- /v1/models -------------------------------------------------------------------------------------------------
 
 
 class ModelCard(BaseModel):
@@ -609,14 +559,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail

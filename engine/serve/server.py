@@ -43,7 +43,7 @@ from pydantic import BaseModel
 from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.errors import EngineError, EngineOverloaded, RequestError
 from loraplex.engine.lora.ref import LoRARequest
-from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected
+from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected, ErrorDetail, ErrorResponse
 from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
 from loraplex.engine.serve.jobs import Job
@@ -52,8 +52,6 @@ from loraplex.engine.serve.metrics import CONTENT_TYPE
 from loraplex.engine.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorDetail,
-    ErrorResponse,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -216,7 +214,7 @@ class OpenAIController(Controller):
         self, data: JSONBody[CompletionRequest], request: Request[Any, Any, Any], serving: Serving
     ) -> Response[Any]:
         job = await serving.completion_job(data)
-        serving.start(job)  # a full queue answers 503 here, before any byte
+        job.start(serving.engine)  # a full queue answers 503 here, before any byte
         if data.stream:
             return _stream(job, serving.complete_stream(job, data))
         try:
@@ -231,7 +229,7 @@ class OpenAIController(Controller):
         self, data: JSONBody[ChatCompletionRequest], request: Request[Any, Any, Any], serving: Serving
     ) -> Response[Any]:
         job = await serving.chat_job(data)
-        serving.start(job)  # a full queue answers 503 here, before any byte
+        job.start(serving.engine)  # a full queue answers 503 here, before any byte
         if data.stream:
             return _stream(job, serving.chat_stream(job, data))
         try:

@@ -44,6 +44,7 @@ from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, Req
 from loraplex.engine.serve.jobs import Delta, Job, JobPrompt, job_usage, merge, unless_disconnected
 from loraplex.engine.serve.logprobs import ChoiceLogprobs, CompletionLogprobs
 from loraplex.engine.serve.lora_registry import LORA_ADAPTER_PARAM, AdapterRoots, LoraRegistry
+from loraplex.engine.serve.lora_spec import LoraAdapterSpec
 from loraplex.engine.serve.metrics import EngineMetrics, LoraMetrics, RequestRecord
 from loraplex.engine.serve.protocol import (
     AssistantMessage,
@@ -57,7 +58,6 @@ from loraplex.engine.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    LoraAdapterSpec,
     ModelCard,
     ModelList,
     Usage,
@@ -66,10 +66,8 @@ from loraplex.engine.serve.tool_calls import (
     TOOL_CALL_PARSERS,
     DeltaFunctionCall,
     DeltaToolCall,
-    FunctionCall,
     NamedToolChoice,
     ParsedToolCall,
-    ToolCall,
     ToolCallStream,
     detect_parser,
     new_call_id,
@@ -302,27 +300,6 @@ class OpenAIServing:
                 record.latency_s,
             )
 
-    def start(self, job: Job) -> None:
-        """Queue every choice of the job in the engine, now: EngineOverloaded (or any error of a submission) comes
-        before the answer's first byte, and leaves none of the job's requests queued."""
-        try:
-            for index in range(job.num_choices):
-                job.streams.append(
-                    self.engine.submit(
-                        job.checked(index),
-                        request_id=job.request_id(index),
-                        lora=job.lora,
-                        cache_salt=job.cache_salt,
-                        prefill_after=job.prefill_after(index),
-                        fairness_key=job.fairness_key,
-                        fairness_weight=job.fairness_weight,
-                        priority=job.priority,
-                    )
-                )
-        except BaseException:
-            job.close()
-            raise
-
     def _outputs(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         return merge([self._generate(job, i) for i in range(job.num_choices)])
 
@@ -373,25 +350,11 @@ class OpenAIServing:
                     stop_reason=completion.stop_reason,
                 )
             )
-        return CompletionResponse(
-            id=job.response_id,
-            created=job.created,
-            model=job.model,
-            choices=choices,
-            usage=job_usage(job, finals),
-            service_tier=job.service_tier,
-        )
+        return CompletionResponse(**job.envelope(), choices=choices, usage=job_usage(job, finals))
 
     async def complete_stream(self, job: Job, body: CompletionRequest) -> AsyncGenerator[BaseModel, None]:
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionChunk:
-            return CompletionChunk(
-                id=job.response_id,
-                created=job.created,
-                model=job.model,
-                choices=choices,
-                usage=usage,
-                service_tier=job.service_tier,
-            )
+            return CompletionChunk(**job.envelope(), choices=choices, usage=usage)
 
         continuous = body.continuous_usage
         if body.echo:
@@ -437,20 +400,13 @@ class OpenAIServing:
             choices.append(
                 ChatChoice(
                     index=index,
-                    message=AssistantMessage(content=content, tool_calls=[_tool_call(c) for c in calls]),
+                    message=AssistantMessage(content=content, tool_calls=[c.wire() for c in calls]),
                     logprobs=logprobs,
                     finish_reason="tool_calls" if calls else completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
             )
-        return ChatCompletionResponse(
-            id=job.response_id,
-            created=job.created,
-            model=job.model,
-            choices=choices,
-            usage=job_usage(job, finals),
-            service_tier=job.service_tier,
-        )
+        return ChatCompletionResponse(**job.envelope(), choices=choices, usage=job_usage(job, finals))
 
     def _tool_calls(self, body: ChatCompletionRequest, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """(content, calls) of a finished chat output, as its tool_choice reads it."""
@@ -466,14 +422,7 @@ class OpenAIServing:
 
     async def chat_stream(self, job: Job, body: ChatCompletionRequest) -> AsyncGenerator[BaseModel, None]:
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(
-                id=job.response_id,
-                created=job.created,
-                model=job.model,
-                choices=choices,
-                usage=usage,
-                service_tier=job.service_tier,
-            )
+            return ChatCompletionChunk(**job.envelope(), choices=choices, usage=usage)
 
         continuous = body.continuous_usage
         roles = [
@@ -623,7 +572,3 @@ class OpenAIServing:
 
 
 __all__ = ["Job", "OpenAIServing"]
-
-
-def _tool_call(call: ParsedToolCall) -> ToolCall:
-    return ToolCall(id=call.id, type="function", function=FunctionCall(name=call.name, arguments=call.arguments))

@@ -131,6 +131,10 @@ class ParsedToolCall:
     name: str
     arguments: str  # JSON text of an object, as OpenAI sends it
 
+    def wire(self) -> ToolCall:
+        """As a message's `tool_calls` entry."""
+        return ToolCall(id=self.id, type="function", function=FunctionCall(name=self.name, arguments=self.arguments))
+
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
