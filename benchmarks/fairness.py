@@ -13,7 +13,7 @@ tokens as they come), and the total tokens computed per second. A warms up for a
 and the window opens; A keeps flooding until every B request of the window has finished, so B's last requests see
 the same load as its first.
 
-    .venv/bin/python benchmarks/fairness.py [--duration 30] [--threads 2]
+    .venv/bin/python benchmarks/fairness.py [--duration 30] [--repeats 3] [--threads 2]
 
 writes benchmarks/results/fairness.json.
 """
@@ -57,41 +57,15 @@ class Load:
     max_num_batched_tokens: int = 512
 
 
-@dataclasses.dataclass
-class Books:
-    """Tokens served per tenant inside the window [start, end), and B's times to first token."""
-
-    start: float = float("inf")
-    end: float = float("inf")
-    tokens: dict[str, int] = dataclasses.field(default_factory=lambda: {"A": 0, "B": 0})
-    b_ttft_s: list[float] = dataclasses.field(default_factory=list)
-
-    def count(self, tenant: str, num_tokens: int, at: float) -> None:
-        if self.start <= at < self.end:
-            self.tokens[tenant] += num_tokens
-
-
 async def one_request(
-    engine: AsyncEngine,
-    books: Books,
-    tenant: str,
-    key: str,
-    prompt: list[int],
-    params: SamplingParams,
-    request_id: str,
+    engine: AsyncEngine, key: str, prompt: list[int], params: SamplingParams, request_id: str
 ) -> float | None:
-    """Run one request, counting its tokens as they come; its time to first token."""
+    """Run one request to its end; its time to first token."""
     sent = time.perf_counter()
     first: float | None = None
-    num_out = 0
     async for output in engine.generate(prompt, params, request_id, fairness_key=key):
-        now = time.perf_counter()
-        produced = len(output.outputs[0].token_ids)
-        if produced and first is None:
-            first = now
-            books.count(tenant, len(prompt), now)
-        books.count(tenant, produced - num_out, now)
-        num_out = produced
+        if first is None and output.outputs[0].token_ids:
+            first = time.perf_counter()
     return None if first is None else first - sent
 
 
@@ -117,14 +91,13 @@ async def run(model_dir: Path, load: Load, mode: str, seed: int = 0) -> dict[str
     def tokens(count: int) -> list[int]:
         return [rng.randrange(4, vocab) for _ in range(count)]
 
-    books = Books()
     flooding = asyncio.Event()
     a_params = SamplingParams(temperature=0, max_tokens=load.a_output, ignore_eos=True)
     b_params = SamplingParams(temperature=0, max_tokens=load.b_output, ignore_eos=True)
 
     async def flood() -> None:
         while flooding.is_set():
-            await one_request(engine, books, "A", "A", tokens(load.a_prompt), a_params, f"a{next(ids)}")
+            await one_request(engine, "A", tokens(load.a_prompt), a_params, f"a{next(ids)}")
 
     try:
         async for _ in engine.generate([5] * 300, SamplingParams(max_tokens=4, ignore_eos=True), "warm-up"):
@@ -134,15 +107,12 @@ async def run(model_dir: Path, load: Load, mode: str, seed: int = 0) -> dict[str
             flooding.set()
             flooders = [asyncio.create_task(flood()) for _ in range(load.a_concurrency)]
             await asyncio.sleep(load.warmup_s)
-        books.start = time.perf_counter()
-        books.end = books.start + load.duration_s
+        window_end = time.perf_counter() + load.duration_s
         state_at_start = engine.state()
         b_requests: list[asyncio.Task[float | None]] = []
-        while time.perf_counter() < books.end:
+        while time.perf_counter() < window_end:
             prompt = tokens(load.b_prompt)
-            b_requests.append(
-                asyncio.create_task(one_request(engine, books, "B", "B", prompt, b_params, f"b{next(ids)}"))
-            )
+            b_requests.append(asyncio.create_task(one_request(engine, "B", prompt, b_params, f"b{next(ids)}")))
             await asyncio.sleep(load.b_interval_s)
         state_at_end = engine.state()
         ttfts = [t for t in await asyncio.gather(*b_requests) if t is not None]
@@ -166,11 +136,10 @@ async def run(model_dir: Path, load: Load, mode: str, seed: int = 0) -> dict[str
         "tokens_served": served,
         "share": {tenant: (n / total if total else 0.0) for tenant, n in served.items()},
         "tokens_per_s": total / window,
-        "client_tokens_seen": books.tokens,  # prompts counted at their first token: lags the engine's books
         "engine_tokens_per_step": (state_at_end.num_batched_tokens - state_at_start.num_batched_tokens)
         / max(1, state_at_end.num_steps - state_at_start.num_steps),
         "engine_steps_per_s": (state_at_end.num_steps - state_at_start.num_steps) / window,
-        "b_drained_after_window_s": drained - books.end,
+        "b_drained_after_window_s": drained - window_end,
     }
 
 
@@ -182,20 +151,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--duration", type=float, default=Load.duration_s, help="Seconds of B's arrivals measured.")
+    parser.add_argument("--repeats", type=int, default=1, help="fcfs and vtc runs, alternated; medians reported.")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load = Load(duration_s=args.duration)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_model(Path(tmp) / "model", dataclasses.replace(BENCHMARK_SPEC, torch_dtype="float32"))
-        runs = {mode: asyncio.run(run(model_dir, load, mode)) for mode in ("fcfs", "vtc", "b_alone")}
-    fcfs, vtc, alone = runs["fcfs"], runs["vtc"], runs["b_alone"]
+        runs: dict[str, list[dict[str, Any]]] = {"fcfs": [], "vtc": []}
+        for _ in range(args.repeats):
+            for mode in ("fcfs", "vtc"):
+                runs[mode].append(asyncio.run(run(model_dir, load, mode)))
+        alone = asyncio.run(run(model_dir, load, "b_alone"))
+
+    def median(mode: str, field: str) -> float:
+        return statistics.median(r[field] for r in runs[mode])
+
+    fields = ("b_ttft_p50_s", "b_ttft_p95_s", "tokens_per_s")
+    medians = {mode: {field: median(mode, field) for field in fields} for mode in runs}
+    medians["vtc"]["b_share"] = statistics.median(r["share"]["B"] for r in runs["vtc"])
     result: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
         "load": dataclasses.asdict(load),
-        "runs": runs,
-        "b_p95_ttft_vtc_over_alone": vtc["b_ttft_p95_s"] / alone["b_ttft_p95_s"],
-        "b_p95_ttft_fcfs_over_alone": fcfs["b_ttft_p95_s"] / alone["b_ttft_p95_s"],
-        "throughput_vtc_over_fcfs": vtc["tokens_per_s"] / fcfs["tokens_per_s"],
+        "repeats": args.repeats,
+        "runs": {**runs, "b_alone": alone},
+        "medians": medians,
+        "b_p95_ttft_vtc_over_alone": medians["vtc"]["b_ttft_p95_s"] / alone["b_ttft_p95_s"],
+        "b_p95_ttft_fcfs_over_alone": medians["fcfs"]["b_ttft_p95_s"] / alone["b_ttft_p95_s"],
+        "throughput_vtc_over_fcfs": medians["vtc"]["tokens_per_s"] / medians["fcfs"]["tokens_per_s"],
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
