@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.engine_core import CheckedPrompt, EngineCore, EngineState
@@ -135,6 +136,18 @@ class QueueBounds:
         return None
 
 
+class SubmitOptions(TypedDict, total=False):
+    """`submit`'s keyword arguments, which `generate` passes on."""
+
+    add_special_tokens: bool
+    lora: AdapterRef | None
+    cache_salt: str | None
+    prefill_after: str | None
+    fairness_key: str
+    fairness_weight: float
+    priority: int
+
+
 class RequestStream:
     """One submitted request's outputs, as an async iterator; the last has `finished` set. Closing it (`aclose`)
     before then aborts the request and frees its pages. Raises what `AsyncEngine.generate` documents."""
@@ -217,37 +230,18 @@ class AsyncEngine:
         prompt: str | list[int] | CheckedPrompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
-        *,
-        add_special_tokens: bool = True,
-        lora: AdapterRef | None = None,
-        cache_salt: str | None = None,
-        prefill_after: str | None = None,
-        fairness_key: str = "",
-        fairness_weight: float = 1.0,
-        priority: int = 0,
+        **options: Unpack[SubmitOptions],
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's output after every step that changes it; the last one has `finished` set.
-        `prefill_after`: the id of another choice of the same prompt, which this one waits for (see
-        `EngineCore.add_request`); `fairness_key`, `fairness_weight` and `priority`: see `EngineCore.add_request`.
+        """Yield the request's output after every step that changes it; the last one has `finished` set. `options`
+        are `submit`'s: `prefill_after`, the id of another choice of the same prompt, which this one waits for;
+        `fairness_key`, `fairness_weight` and `priority`: see `EngineCore.add_request`.
 
         Raises RequestError for an invalid request and EngineOverloaded when the waiting queue is full (both before
-        anything is yielded), RequestFailed if the engine
-        finishes it with an error (its adapter could not be loaded), and EngineDeadError if the engine fails while
-        the request runs. A prompt the caller checked already (`core.check_request`) comes as the CheckedPrompt,
-        without `sampling_params`, and is not checked again.
+        anything is yielded), RequestFailed if the engine finishes it with an error (its adapter could not be
+        loaded), and EngineDeadError if the engine fails while the request runs. A prompt the caller checked already
+        (`core.check_request`) comes as the CheckedPrompt, without `sampling_params`, and is not checked again.
         """
-        stream = self.submit(
-            prompt,
-            sampling_params,
-            request_id,
-            add_special_tokens=add_special_tokens,
-            lora=lora,
-            cache_salt=cache_salt,
-            prefill_after=prefill_after,
-            fairness_key=fairness_key,
-            fairness_weight=fairness_weight,
-            priority=priority,
-        )
+        stream = self.submit(prompt, sampling_params, request_id, **options)
         try:
             async for output in stream:
                 yield output
