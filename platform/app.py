@@ -16,6 +16,8 @@ from litestar.plugins.pydantic import PydanticPlugin
 from litestar.template.config import TemplateConfig
 
 from loraplex.engine.serve import GuardedRequest, refuse_nul_bytes
+from loraplex.platform.console.pages import template_engine
+from loraplex.platform.console.routes import console_routers
 from loraplex.platform.dependencies import (
     provide_admin,
     provide_db,
@@ -28,7 +30,6 @@ from loraplex.platform.domain.adapters.controllers import adapter_controller
 from loraplex.platform.domain.api_keys.controllers import AdminApiKeyController, TenantApiKeyController
 from loraplex.platform.domain.base_models.controllers import AdminBaseModelController
 from loraplex.platform.domain.billing.controllers import AdminBillingController, AdminPriceController
-from loraplex.platform.domain.billing.page import template_engine
 from loraplex.platform.domain.completions.controllers import CompletionsController
 from loraplex.platform.domain.endpoints.controllers import EndpointController
 from loraplex.platform.domain.fleet.controllers import AdminEngineController
@@ -107,7 +108,7 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
         security=[{"AdminToken": []}],
     )
     return Litestar(
-        route_handlers=[HealthController, operations, v1, admin],
+        route_handlers=[HealthController, operations, v1, admin, *console_routers(settings)],
         lifespan=[lifespan],
         dependencies={"db": Provide(provide_db), "resources": Provide(provide_resources)},
         exception_handlers={Exception: handle_exception},
@@ -115,7 +116,8 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
         before_request=refuse_nul_bytes,
         # Bodies are validated strictly, as OpenAI validates them (schemas.RequestBody).
         plugins=[PydanticPlugin(validate_strict=True)],
-        # The billing page's templates; page.render renders them through an engine made the same way.
+        # The console's and the billing page's templates; billing.page.render renders the billing page through an
+        # engine with the same settings.
         template_config=TemplateConfig(instance=template_engine()),
         openapi_config=OpenAPIConfig(
             title="loraplex",

@@ -134,6 +134,40 @@ class Authenticator:
                 return AdminPrincipal(key_id=AdminKeyId(row.id))
         raise ApiError(401, "The admin token is not valid.", code="unauthenticated", headers=headers)
 
+    async def tenant_key_in_force(self, tenant_id: TenantId, key_id: ApiKeyId) -> TenantPrincipal:
+        """The principal of a key that was verified earlier (a console session's), if it is still in force: not
+        revoked, still the tenant's, the tenant active. Raises as `tenant` does otherwise."""
+        key = await self._lookup_key(key_id)
+        if key is None or key.tenant_id != tenant_id:
+            raise invalid_api_key()
+        if key.revoked:
+            raise invalid_api_key("This API key has been revoked.")
+        if await self._tenant_status(key.tenant_id) != TenantStatus.ACTIVE.value:
+            raise ApiError(401, "This API key belongs to a suspended account.", code="account_suspended")
+        return TenantPrincipal(tenant_id=tenant_id, key_id=key_id)
+
+    def admin_token_fingerprint(self) -> str | None:
+        """A stable digest of the bootstrap admin token (None without one): what an admin console session opened
+        with the token remembers, so that changing the token ends those sessions."""
+        if self._admin_token is None:
+            return None
+        return self._hasher.derive("console-admin-token", self._admin_token)
+
+    async def admin_in_force(self, key_id: AdminKeyId | None, token_fingerprint: str | None) -> AdminPrincipal:
+        """The admin principal of a credential verified earlier (a console session's), if it still holds: the
+        admin key not revoked, or the bootstrap token unchanged."""
+        refused = ApiError(401, "The admin credential is no longer valid.", code="unauthenticated")
+        if key_id is None:
+            current = self.admin_token_fingerprint()
+            if token_fingerprint is None or current is None or not hmac.compare_digest(current, token_fingerprint):
+                raise refused
+            return AdminPrincipal(key_id=None)
+        async with self._sessions() as session:
+            row = await AdminKeyRepository(session).get(key_id)
+        if row is None or row.revoked_at is not None:
+            raise refused
+        return AdminPrincipal(key_id=key_id)
+
     async def key_changed(self, key_id: ApiKeyId) -> None:
         """Publish a key's committed state (call after the commit that revoked or created it)."""
         async with self._sessions() as session:

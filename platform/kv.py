@@ -23,6 +23,10 @@ class KeyValueStore(Protocol):
 
     async def delete(self, *keys: str) -> int: ...
 
+    async def incr(self, key: str, *, ttl_s: float) -> int:
+        """Add 1 to the counter under `key` and return it; a new counter lives `ttl_s` (a fixed window)."""
+        ...
+
     async def ping(self) -> None:
         """Raise if the store cannot be reached."""
         ...
@@ -62,6 +66,13 @@ class RedisStore:
             return 0
         return int(await self._redis.delete(*(self.key(k) for k in keys)))
 
+    async def incr(self, key: str, *, ttl_s: float) -> int:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.incr(self.key(key))
+            pipe.pexpire(self.key(key), max(1, int(ttl_s * 1000)), nx=True)
+            count, _ = await pipe.execute()
+        return int(count)
+
     async def ping(self) -> None:
         await self._redis.ping()
 
@@ -96,6 +107,13 @@ class MemoryStore:
 
     async def delete(self, *keys: str) -> int:
         return sum(1 for k in keys if self._values.pop(k, None) is not None)
+
+    async def incr(self, key: str, *, ttl_s: float) -> int:
+        live = self._live(key)
+        count = int(live) + 1 if live is not None else 1
+        expires_at = self._values[key][1] if live is not None else time.monotonic() + ttl_s
+        self._values[key] = (str(count).encode(), expires_at)
+        return count
 
     async def ping(self) -> None:
         return None

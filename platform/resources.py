@@ -16,6 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from loraplex.engine import AsyncEngine as EngineRuntime
 from loraplex.platform.auth import Authenticator
 from loraplex.platform.concurrency import Leases, open_leases
+from loraplex.platform.console.security import SignInThrottle
+from loraplex.platform.console.sessions import SessionStore
 from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.db.migrate import ensure_at_head
 from loraplex.platform.domain.api_keys.keys import KeyHasher
@@ -83,6 +85,8 @@ class Resources:
     fleet: Fleet
     router: Router
     metrics: PlatformMetrics  # this process's Prometheus series, in a registry of its own
+    console_sessions: SessionStore
+    sign_in_throttle: SignInThrottle
     embedded_engine: EngineRuntime | None = None
 
     @classmethod
@@ -142,6 +146,8 @@ class Resources:
             fleet=fleet,
             router=Router(fleet, kv),
             metrics=metrics,
+            console_sessions=SessionStore(kv, ttl_s=settings.console_session_ttl_s),
+            sign_in_throttle=SignInThrottle(kv, attempts_per_minute=settings.console_sign_in_attempts_per_minute),
             embedded_engine=embedded,
         )
 

@@ -126,6 +126,19 @@ class Settings(BaseSettings):
         default=300.0, gt=0, le=86400, description="How long an API key lookup stays cached in Redis."
     )
 
+    console_session_ttl_s: float = Field(
+        default=8 * 3600.0,
+        ge=60,
+        le=30 * 86400,
+        description="How long a console sign-in lasts (seconds) before the browser must sign in again.",
+    )
+    console_sign_in_attempts_per_minute: int = Field(
+        default=10,
+        ge=1,
+        le=10_000,
+        description="Console sign-in attempts one client address may make per minute; more answer 429.",
+    )
+
     default_requests_per_minute: int = Field(
         default=600, ge=1, description="Requests per minute of a tenant whose own limit an admin has not set."
     )

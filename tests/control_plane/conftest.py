@@ -217,3 +217,40 @@ def tiny_base_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from _support.checkpoints import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny-base"), "llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def demo_settings(
+    tmp_path_factory: pytest.TempPathFactory,
+    postgres_server: PostgresServer,
+    redis_server: RedisServer,
+    s3_server: S3Server,
+    session_tag: str,
+) -> Iterator[Settings]:
+    """Settings on real services (this module's own database, Redis prefix and bucket) with the embedded engine on
+    the demo model (demo/model, served as `loraplex-demo`), as `make dev` runs it."""
+    with module_settings_sync(
+        tmp_path_factory.mktemp("data"),
+        postgres_server,
+        redis_server,
+        s3_server,
+        session_tag,
+        engine_mode="embedded",
+        engine_dtype="float32",
+        engine_kv_budget="32MiB",
+    ) as value:
+        yield value
+
+
+@pytest.fixture(scope="module")
+def demo_platform(demo_settings: Settings) -> Iterator[tuple[Litestar, str]]:
+    """The platform with the demo model on a real socket: (app, URL)."""
+    import torch
+
+    num_threads = torch.get_num_threads()  # the engine sets it process-wide; give it back to the session after
+    app = create_app(demo_settings)
+    try:
+        with serving(app) as url:
+            yield app, url
+    finally:
+        torch.set_num_threads(num_threads)

@@ -16,15 +16,17 @@ from loraplex.platform.resources import Resources
 from loraplex.platform.schemas import ObjectList, PageLimit
 
 
-async def _create(
+async def create_api_key(
     db: AsyncSession, resources: Resources, tenant_id: TenantId, data: ApiKeyCreate | None
 ) -> ApiKeyCreated:
+    """Create and commit a tenant's key (the API's and the console's way)."""
     row, new_key = await ApiKeyService(db, resources.hasher).create(tenant_id, name=data.name if data else None)
     await db.commit()
     return ApiKeyCreated.created(row, new_key)
 
 
-async def _revoke(db: AsyncSession, resources: Resources, key_id: str, tenant_id: TenantId | None) -> ApiKeyOut:
+async def revoke_api_key(db: AsyncSession, resources: Resources, key_id: str, tenant_id: TenantId | None) -> ApiKeyOut:
+    """Revoke and commit a key (`tenant_id`: only that tenant's), then tell every replica."""
     key = await ApiKeyService(db, resources.hasher).revoke(ApiKeyId(key_id), tenant_id=tenant_id)
     await db.commit()
     # After the commit: every replica's next request with this key is refused.
@@ -44,11 +46,11 @@ class AdminApiKeyController(Controller):
         resources: AppResources,
         data: JSONBody[ApiKeyCreate | None] = None,
     ) -> ApiKeyCreated:
-        return await _create(db, resources, TenantId(tenant_id), data)
+        return await create_api_key(db, resources, TenantId(tenant_id), data)
 
     @delete("/api-keys/{key_id:str}", status_code=200, summary="Revoke any tenant's API key")
     async def revoke(self, key_id: FromPath[str], db: DbSession, resources: AppResources) -> ApiKeyOut:
-        return await _revoke(db, resources, key_id, None)
+        return await revoke_api_key(db, resources, key_id, None)
 
 
 class TenantApiKeyController(Controller):
@@ -63,7 +65,7 @@ class TenantApiKeyController(Controller):
         resources: AppResources,
         data: JSONBody[ApiKeyCreate | None] = None,
     ) -> ApiKeyCreated:
-        return await _create(db, resources, principal.tenant_id, data)
+        return await create_api_key(db, resources, principal.tenant_id, data)
 
     @get("/", summary="List your API keys, newest first")
     async def list(
@@ -83,4 +85,4 @@ class TenantApiKeyController(Controller):
     async def revoke(
         self, key_id: FromPath[str], principal: Principal, db: DbSession, resources: AppResources
     ) -> ApiKeyOut:
-        return await _revoke(db, resources, key_id, principal.tenant_id)
+        return await revoke_api_key(db, resources, key_id, principal.tenant_id)

@@ -1,0 +1,21 @@
+"""PLACEHOLDER: the Adapters page (being written)."""
+
+from __future__ import annotations
+
+from litestar import Controller, get
+from litestar.response import Template
+
+from loraplex.platform.console.access import Caller
+from loraplex.platform.console.pages import page
+
+
+class AdapterPages(Controller):
+    path = "/adapters"
+
+    @get("/")
+    async def index(self, caller: Caller) -> Template:
+        return page("placeholder.html", caller, title="Adapters")
+
+
+def adapter_pages(settings: object) -> type[AdapterPages]:
+    return AdapterPages
