@@ -19,6 +19,8 @@ from loraplex.engine.serve import GuardedRequest, refuse_nul_bytes
 from loraplex.platform.console.pages import template_engine
 from loraplex.platform.console.routes import console_routers
 from loraplex.platform.dependencies import (
+    OpenInConsole,
+    open_in_console,
     provide_admin,
     provide_db,
     provide_principal,
@@ -96,6 +98,7 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
             AdminBillingController,
         ],
         guards=[require_admin],
+        exception_handlers={OpenInConsole: open_in_console},
         dependencies={"admin": Provide(provide_admin)},
         security=[{"AdminToken": []}],
     )

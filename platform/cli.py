@@ -116,6 +116,7 @@ def dev(host: str | None, port: int | None, data_dir: Path | None) -> None:
             [
                 "",
                 f"loraplex is starting at {url} (data in {settings.data_dir.resolve()}, schema {revision})",
+                f"  console: {url}/console  (sign in with the admin token, or a tenant's API key)",
                 f"  admin token: {token}",
                 "  try:",
                 f"    curl -s -X POST {url}/admin/tenants -H 'Authorization: Bearer {token}' "

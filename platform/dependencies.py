@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.handlers.base import BaseRouteHandler
+from litestar.response import Redirect
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.auth import AdminPrincipal, TenantPrincipal
@@ -35,7 +37,35 @@ async def require_tenant(connection: ASGIConnection[Any, Any, Any, Any], _: Base
     connection.state.principal = await authenticator.tenant(connection.headers.get("authorization"))
 
 
+# Admin pages a browser may open: without a bearer token (which browsers never send) they open in the console,
+# which signs the browser in first.
+CONSOLE_PAGES = {"/admin/billing": "/console/admin/billing"}
+
+
+class OpenInConsole(Exception):
+    """A browser asked for an admin page without a credential: send it to the page's console twin."""
+
+    def __init__(self, location: str) -> None:
+        super().__init__(location)
+        self.location = location
+
+
+def open_in_console(_: Request[Any, Any, Any], exc: OpenInConsole) -> Redirect:
+    return Redirect(exc.location, status_code=303)
+
+
+def _console_twin(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    if connection.scope.get("method") != "GET" or "text/html" not in connection.headers.get("accept", ""):
+        return None
+    twin = CONSOLE_PAGES.get(connection.url.path.rstrip("/"))
+    if twin is None:
+        return None
+    return twin + (f"?{connection.url.query}" if connection.url.query else "")
+
+
 async def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    if "authorization" not in connection.headers and (twin := _console_twin(connection)) is not None:
+        raise OpenInConsole(twin)
     authenticator = resources_of(connection.app.state).authenticator
     connection.state.admin = await authenticator.admin(connection.headers.get("authorization"))
 

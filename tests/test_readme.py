@@ -83,6 +83,12 @@ def test_dev_prints_url_token_and_a_working_curl(dev_server: tuple[str, list[str
     curl = next(line.strip() for line in lines if line.strip().startswith("curl") and "-X POST" in line)
     result = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=30, check=True)
     assert '"name":"acme"' in result.stdout.replace(" ", "")
+    # The console's printed address goes straight to the sign-in form.
+    console = next(line.split()[1] for line in lines if line.strip().startswith("console:"))
+    assert console == f"{url}/console"
+    with urllib.request.urlopen(console, timeout=10) as response:
+        assert response.status == 200
+        assert 'action="/console/sign-in"' in response.read().decode()
 
 
 def tour_script(section: str) -> str:

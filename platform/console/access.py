@@ -79,8 +79,11 @@ async def _caller(connection: ASGIConnection[Any, Any, Any, Any]) -> ConsoleCall
     caller = await signed_in(connection)
     if caller is None:
         raise SignInRequired()
-    unsafe = connection.scope.get("method") in UNSAFE_METHODS and isinstance(connection, Request)
-    if unsafe and not tokens_match(caller.csrf_token, await presented_csrf_token(connection)):
+    if (
+        connection.scope.get("method") in UNSAFE_METHODS
+        and isinstance(connection, Request)
+        and not tokens_match(caller.csrf_token, await presented_csrf_token(connection))
+    ):
         raise ApiError(
             403,
             "This form is out of date or was not sent by this console (its CSRF token is missing or wrong). "

@@ -14,6 +14,7 @@ from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from jinja2 import ChoiceLoader, Environment, FileSystemLoader, StrictUndefined
 from litestar import MediaType, Request, Response
@@ -55,7 +56,26 @@ ADMIN_NAV = (
 
 def home(caller: ConsoleCaller) -> str:
     """Where a signed-in browser lands."""
-    return ADMIN_NAV[0].href if caller.is_admin else TENANT_NAV[0].href
+    return landing(admin=caller.is_admin, wanted=None)
+
+
+def landing(*, admin: bool, wanted: str | None) -> str:
+    """Where signing in leads: the page the browser was sent away from (`wanted`, a console path of this kind of
+    session, never another site's), else the kind's first page."""
+    if wanted and _is_local_console_path(wanted) and wanted.startswith("/console/admin") == admin:
+        return wanted
+    return (ADMIN_NAV if admin else TENANT_NAV)[0].href
+
+
+def _is_local_console_path(path: str) -> bool:
+    # A path on this host only: no scheme, no `//host`, no backslashes browsers read as slashes, no control text.
+    return (
+        path.startswith("/console/")
+        and not path.startswith("//")
+        and "\\" not in path
+        and all(c.isprintable() and not c.isspace() for c in path)
+        and len(path) <= 2048
+    )
 
 
 # --- filters ------------------------------------------------------------------------------------------------------
@@ -153,7 +173,9 @@ def sign_in_required(request: Request[Any, Any, Any], _: SignInRequired) -> Resp
             status_code=401,
             headers=PAGE_HEADERS,
         )
-    return Redirect(CONSOLE_PATH, status_code=303, headers=PAGE_HEADERS)
+    wanted = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    query = "" if not _is_local_console_path(wanted) else "?" + urlencode({"next": wanted})
+    return Redirect(CONSOLE_PATH + query, status_code=303, headers=PAGE_HEADERS)
 
 
 def console_error(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
@@ -168,7 +190,7 @@ def console_error(request: Request[Any, Any, Any], exc: Exception) -> Response[A
         "error.html",
         caller if isinstance(caller, ConsoleCaller) else None,
         title=str(body.get("title", "Error")),
-        status_code=answer.status_code,
+        status_code=answer.status_code or 500,
         status=answer.status_code,
         message=str(body.get("detail", "Something went wrong.")),
     )

@@ -11,7 +11,7 @@ from typing import Any
 from litestar import Response, Router
 from litestar.di import Provide
 from litestar.static_files import create_static_files_router
-from litestar.types import ControllerRouterHandler
+from litestar.types import ControllerRouterHandler, ExceptionHandlersMap
 
 from loraplex.platform.console.access import (
     SignInRequired,
@@ -39,7 +39,7 @@ async def _static_headers(response: Response[Any]) -> Response[Any]:
     return response
 
 
-_HANDLERS = {SignInRequired: sign_in_required, Exception: console_error}
+_HANDLERS: ExceptionHandlersMap = {SignInRequired: sign_in_required, Exception: console_error}
 _CALLER = {"caller": Provide(provide_console_caller)}
 
 

@@ -158,7 +158,7 @@ async def test_signing_out_ends_the_session_for_the_old_cookie_too(
     with browser(client) as other:
         other.cookies.set("lpx_console", old_cookie)
         response = await other.get("/console/keys")
-        assert response.status_code == 303 and response.headers["location"] == "/console"
+        assert response.status_code == 303 and response.headers["location"] == "/console?next=%2Fconsole%2Fkeys"
 
 
 async def test_revoking_the_key_or_suspending_the_tenant_ends_its_sessions(
@@ -271,3 +271,59 @@ async def test_cookies_are_secure_and_host_prefixed_behind_https(
     cookie = next(c for c in set_cookie_headers(response) if c.startswith("__Host-lpx_console="))
     assert "secure" in cookie.lower() and "httponly" in cookie.lower() and "domain" not in cookie.lower()
     assert (await https_client.get("/console/keys")).status_code == 200
+
+
+async def test_a_browser_sent_to_sign_in_comes_back_to_the_page_it_asked_for(
+    client: AsyncTestClient[Litestar],
+) -> None:
+    html = {"Accept": "text/html,application/xhtml+xml"}
+    # The billing page, pasted into a browser: no bearer token, so it opens in the console, which signs in first.
+    response = await client.get("/admin/billing?start=2026-01-01", headers=html)
+    assert response.status_code == 303
+    assert response.headers["location"] == "/console/admin/billing?start=2026-01-01"
+    response = await client.get(response.headers["location"], headers=html)
+    assert response.status_code == 303
+    assert response.headers["location"] == "/console?next=%2Fconsole%2Fadmin%2Fbilling%3Fstart%3D2026-01-01"
+    form = await client.get(response.headers["location"])
+    assert 'name="next" value="/console/admin/billing?start=2026-01-01"' in form.text
+    response = await client.post(
+        "/console/sign-in",
+        data={
+            "key": ADMIN_TOKEN,
+            "csrf_token": csrf_token(form.text),
+            "next": "/console/admin/billing?start=2026-01-01",
+        },
+    )
+    assert response.status_code == 303
+    assert response.headers["location"] == "/console/admin/billing?start=2026-01-01"
+    # API clients keep their 401 (no Accept: text/html), and the bearer token still opens the page itself.
+    assert (await client.get("/admin/billing")).status_code == 401
+    assert (await client.get("/admin/billing", headers={**html, **ADMIN})).status_code == 200
+
+
+@pytest.mark.parametrize("wanted", ["https://evil.example/", "//evil.example/console/", "/console/admin/tenants"])
+async def test_sign_in_never_leads_off_the_console_or_to_the_other_kind_of_page(
+    client: AsyncTestClient[Litestar], make_tenant: Callable[[str], Any], wanted: str
+) -> None:
+    _, key = await make_tenant("acme")
+    form = await client.get("/console", params={"next": wanted})
+    response = await client.post(
+        "/console/sign-in", data={"key": key, "csrf_token": csrf_token(form.text), "next": wanted}
+    )
+    assert response.status_code == 303
+    assert response.headers["location"] == "/console/playground"
+
+
+async def test_a_tenant_cannot_touch_another_tenants_key(
+    client: AsyncTestClient[Litestar], make_tenant: Callable[[str], Any]
+) -> None:
+    _, key = await make_tenant("acme")
+    _, other_key = await make_tenant("globex")
+    other_id = other_key.split("_")[1]
+    assert (await sign_in(client, key)).status_code == 303
+    token = await page_token(client, "/console/keys")
+    response = await client.post(f"/console/keys/{other_id}/revoke", data={"csrf_token": token})
+    assert response.status_code == 404
+    assert other_id not in (await client.get("/console/keys")).text
+    # globex's key still works.
+    assert (await client.get("/v1/models", headers={"Authorization": f"Bearer {other_key}"})).status_code == 200

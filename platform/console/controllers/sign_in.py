@@ -13,13 +13,13 @@ from typing import Annotated, Any
 from litestar import Controller, Request, get, post
 from litestar.datastructures import Cookie
 from litestar.enums import RequestEncodingType
-from litestar.params import Body
+from litestar.params import Body, FromQuery
 from litestar.response import Redirect, Template
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.platform.auth import AdminPrincipal, TenantPrincipal
 from loraplex.platform.console.access import Caller, require_console_session, signed_in
-from loraplex.platform.console.pages import ADMIN_NAV, CONSOLE_PATH, TENANT_NAV, home, page
+from loraplex.platform.console.pages import CONSOLE_PATH, landing, page
 from loraplex.platform.console.security import (
     PAGE_HEADERS,
     SIGN_IN_CSRF_COOKIE,
@@ -47,9 +47,10 @@ class SignInForm(BaseModel):
 
     key: str = Field(default="", max_length=MAX_KEY_CHARS)
     csrf_token: str = Field(default="", max_length=128)
+    next: str = Field(default="", max_length=2048)  # the page the browser was sent to sign in from
 
 
-def _form(resources: Resources, *, status_code: int = 200, error: str | None = None) -> Template:
+def _form(resources: Resources, *, wanted: str, status_code: int = 200, error: str | None = None) -> Template:
     """The sign-in page with a fresh double-submit token in its form and its cookie."""
     token = new_token()
     return page(
@@ -60,6 +61,7 @@ def _form(resources: Resources, *, status_code: int = 200, error: str | None = N
         cookies=[sign_in_cookie(resources.settings, token)],
         csrf_token=token,
         error=error,
+        wanted=wanted,
     )
 
 
@@ -80,11 +82,13 @@ class SignInController(Controller):
     include_in_schema = False
 
     @get("/", summary="The console: its sign-in form, or your home page when signed in")
-    async def index(self, request: Request[Any, Any, Any], resources: AppResources) -> Template | Redirect:
+    async def index(
+        self, request: Request[Any, Any, Any], resources: AppResources, next: FromQuery[str] = ""
+    ) -> Template | Redirect:
         caller = await signed_in(request)
         if caller is not None:
-            return Redirect(home(caller), status_code=303, headers=PAGE_HEADERS)
-        return _form(resources)
+            return Redirect(landing(admin=caller.is_admin, wanted=next), status_code=303, headers=PAGE_HEADERS)
+        return _form(resources, wanted=next[:2048])
 
     @post("/sign-in", status_code=303)
     async def sign_in(
@@ -98,16 +102,17 @@ class SignInController(Controller):
         if wait_s is not None:
             template = _form(
                 resources,
+                wanted=data.next,
                 status_code=429,
                 error=f"Too many sign-in attempts from your address; try again in {int(wait_s)} s.",
             )
             template.headers["Retry-After"] = str(int(wait_s))
             return template
         if not tokens_match(request.cookies.get(SIGN_IN_CSRF_COOKIE), data.csrf_token):
-            return _form(resources, status_code=403, error="The sign-in form expired; please try again.")
+            return _form(resources, wanted=data.next, status_code=403, error="The sign-in form expired; try again.")
         principal = await _authenticate(resources, data.key.strip())
         if principal is None:
-            return _form(resources, status_code=401, error=REFUSED)
+            return _form(resources, wanted=data.next, status_code=401, error=REFUSED)
         old = request.cookies.get(session_cookie_name(settings))
         if old:
             await resources.console_sessions.end(old)
@@ -123,9 +128,8 @@ class SignInController(Controller):
             session_id, _ = await resources.console_sessions.open(
                 SessionKind.ADMIN, admin_key_id=AdminKeyId(principal.key_id)
             )
-        landing = (ADMIN_NAV if isinstance(principal, AdminPrincipal) else TENANT_NAV)[0].href
         return Redirect(
-            landing,
+            landing(admin=isinstance(principal, AdminPrincipal), wanted=data.next),
             status_code=303,
             headers=PAGE_HEADERS,
             cookies=[
