@@ -39,5 +39,7 @@ def parse_form(model: type[M], data: dict[str, Any], *, labels: dict[str, str] |
         if error["type"] == "missing":
             message = f"Fill in {label}."
         else:
-            message = f"{label[:1].upper()}{label[1:]}: {error['msg']}."
+            # pydantic words a validator's ValueError as "Value error, <message>": the message is what a person reads.
+            reason = str(error["msg"]).removeprefix("Value error, ")
+            message = f"{label[:1].upper()}{label[1:]}: {reason}."
         raise ApiError(400, message, code="invalid_form", param=field) from None

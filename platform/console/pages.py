@@ -26,6 +26,7 @@ from loraplex.platform.console.security import CSRF_HEADER, PAGE_HEADERS
 from loraplex.platform.domain.billing.page import TEMPLATES as BILLING_TEMPLATES
 from loraplex.platform.domain.billing.rating import MONEY_QUANTUM
 from loraplex.platform.errors import handle_exception
+from loraplex.platform.wording import plural
 
 TEMPLATES = Path(__file__).with_name("templates")
 STATIC = Path(__file__).with_name("static")
@@ -79,12 +80,6 @@ def _is_local_console_path(path: str) -> bool:
 
 
 # --- filters ------------------------------------------------------------------------------------------------------
-
-
-def plural(count: int, singular: str, plural_form: str | None = None) -> str:
-    """`1 request`, `2 requests`, `1,024 requests`; `plural_form` where adding "s" is wrong."""
-    word = singular if count == 1 else (plural_form or singular + "s")
-    return f"{count:,} {word}"
 
 
 def usd(amount: Decimal | str | int) -> str:

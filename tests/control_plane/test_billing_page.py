@@ -121,6 +121,27 @@ async def seeded(sessions: Sessions) -> dict[str, Tenant]:
     return tenants
 
 
+async def assert_chart_labels_whole(page: Any, width: int) -> None:
+    """Every label of the bar charts and of the cost chart's legend shows its whole text at this window width: not
+    clipped by its box (scrollWidth within clientWidth), inside the window, and not shortened ("…")."""
+    labels = await page.locator("[data-chart] li.bar .label, [data-legend] li .name").evaluate_all(
+        """elements => elements.map(e => {
+            const box = e.getBoundingClientRect();
+            return {text: e.textContent, scroll: e.scrollWidth, client: e.clientWidth,
+                    left: box.left, right: box.right, height: box.height};
+        })"""
+    )
+    assert labels, "no chart labels"
+    for label in labels:
+        assert 0 < label["scroll"] <= label["client"], (
+            width,
+            label,
+        )  # a box of its own (not inline: 0), not overflowed
+        assert label["left"] >= 0 and label["right"] <= width, (width, label)
+        assert label["height"] > 0, (width, label)
+        assert "…" not in label["text"], (width, label)
+
+
 def iso(instant: datetime) -> str:
     return instant.isoformat().replace("+00:00", "Z")
 
@@ -170,7 +191,7 @@ async def test_chromium_loads_the_page_and_finds_the_charts(
                 assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
 
                 for chart in CHARTS:
-                    located = page.locator(f'svg[data-chart="{chart}"]')
+                    located = page.locator(f'[data-chart="{chart}"]')
                     assert await located.count() == 1, chart
                     assert await located.is_visible(), chart
                     box = await located.bounding_box()
@@ -186,15 +207,20 @@ async def test_chromium_loads_the_page_and_finds_the_charts(
 
                 legend = await page.locator('[data-legend="cost-per-day"] li').all_inner_texts()
                 assert sorted(text.strip() for text in legend) == sorted(["acme", "globex", EVIL])
-                hit_rates = await page.locator('svg[data-chart="cache-hit-rate"] g.bar').count()
+                hit_rates = await page.locator('[data-chart="cache-hit-rate"] li.bar').count()
                 assert hit_rates == 3
-                endpoints = await page.locator('svg[data-chart="top-endpoints"] g.bar').all_text_contents()
+                endpoints = await page.locator('[data-chart="top-endpoints"] li.bar').all_text_contents()
                 assert any("support-bot · acme" in text for text in endpoints), endpoints
                 total = await page.locator('[data-total="cost"] .value').inner_text()
                 assert total == f"${Decimal(by_tenant['totals']['cost_total']):,f}"
 
                 screenshot = tmp_path / "billing-page.png"
                 await page.screenshot(path=screenshot, full_page=True)
+                for width in (1280, 390):
+                    await page.set_viewport_size({"width": width, "height": 900})
+                    await assert_chart_labels_whole(page, width)
+                    overflow = await page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+                    assert overflow <= 0, (width, overflow)
             finally:
                 await browser.close()
 

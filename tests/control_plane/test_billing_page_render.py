@@ -110,8 +110,8 @@ def ids(n: int) -> list[str]:
 
 
 def chart(page: str, name: str) -> Elements:
-    """The elements of one chart of `page`."""
-    return Elements(page.split(f'<svg data-chart="{name}"', 1)[1].split("</svg>", 1)[0])
+    """The elements of one bar chart (an HTML figure) of `page`."""
+    return Elements(page.split(f'<figure class="hbars" data-chart="{name}"', 1)[1].split("</figure>", 1)[0])
 
 
 def test_tenant_and_endpoint_names_are_escaped_everywhere() -> None:
@@ -150,13 +150,44 @@ def test_charts_have_stable_names_titles_and_labels() -> None:
     a, b = ids(2)
     page = render(page_data([Row("acme", a, 0), Row("zeta", b, 3)]), generated_at=GENERATED)
     parsed = Elements(page)
-    charts = {attrs["data-chart"]: attrs for attrs in parsed.find("svg", data_chart="*")}
-    assert set(charts) == {"cost-per-day", "cache-hit-rate", "top-endpoints"}
-    for name, attrs in charts.items():
-        assert attrs["role"] == "img"
-        assert attrs["aria-labelledby"] == f"{name}-title {name}-desc"
-        assert parsed.find("title", id=f"{name}-title")
-        assert parsed.find("desc", id=f"{name}-desc")
+    [cost] = parsed.find("svg", data_chart="*")
+    assert cost["data-chart"] == "cost-per-day"
+    assert cost["role"] == "img"
+    assert cost["aria-labelledby"] == "cost-per-day-title cost-per-day-desc"
+    assert parsed.find("title", id="cost-per-day-title")
+    assert parsed.find("desc", id="cost-per-day-desc")
+    bars = {attrs["data-chart"]: attrs for attrs in parsed.find("figure", data_chart="*")}
+    assert set(bars) == {"cache-hit-rate", "top-endpoints"}
+    for name, attrs in bars.items():
+        assert attrs["aria-labelledby"] == f"{name}-title"
+        assert attrs["aria-describedby"] == f"{name}-desc"
+        assert parsed.find("span", id=f"{name}-title")
+        assert parsed.find("span", id=f"{name}-desc")
+
+
+def test_long_labels_are_whole_and_no_element_has_a_style_attribute() -> None:
+    """Bar labels are HTML text that wraps, never cut to fit (the old SVG cut them to 28 characters); and no
+    `style` attribute anywhere, so the same markup works under the console's CSP."""
+    (a,) = ids(1)
+    tenant = "acme-corporation-with-a-very-long-name"
+    rows = [Row(tenant, a, 0, model="loraplex-demo"), Row(tenant, a, 1, model="a-long-endpoint-name", endpoint_id="e1")]
+    page = render(page_data(rows), generated_at=GENERATED)
+    labels = [
+        "".join(found.text).strip()
+        for found in (Elements(part.split("</span>", 1)[0]) for part in page.split('<span class="label">')[1:])
+    ]
+    assert f"loraplex-demo (base) · {tenant}" in labels
+    assert f"a-long-endpoint-name · {tenant}" in labels
+    assert "…" not in page
+    assert all("style" not in attrs for _, attrs in Elements(page).tags)
+
+
+def test_counts_take_the_right_plural() -> None:
+    (a,) = ids(1)
+    page = render(page_data([Row("acme", a, 0, prompt=1, cached=0)]), generated_at=GENERATED)
+    assert "1 request)" in page and "1 requests" not in page
+    assert "0 of 1 prompt token)" in page and "1 prompt tokens" not in page
+    assert "1 request<" in page  # the day's tooltip
 
 
 def test_stacked_bars_one_segment_per_tenant_day_with_the_reports_figures() -> None:
@@ -200,7 +231,7 @@ def test_hit_rates_are_the_reports_rates_as_percent() -> None:
     a, b = ids(2)
     rows = [Row("acme", a, 0, prompt=3000, cached=1000), Row("zeta", b, 0, prompt=1000, cached=0)]
     hit_rates = chart(render(page_data(rows), generated_at=GENERATED), "cache-hit-rate")
-    bars = {attrs["data-id"]: attrs["data-value"] for attrs in hit_rates.find("g", **{"class": "bar"})}
+    bars = {attrs["data-id"]: attrs["data-value"] for attrs in hit_rates.find("li", **{"class": "bar"})}
     assert bars[a] == "33.33%"  # the report's 0.3333
     assert bars[b] == "0.00%"
 
@@ -211,7 +242,7 @@ def test_top_endpoints_are_the_costliest_ten() -> None:
     rows = [Row("acme", a, 0, model=f"ep-{i}", endpoint_id=e, output=1000 * (i + 1)) for i, e in enumerate(endpoints)]
     rows.append(Row("acme", a, 0, model="llama-a"))  # a base model called by name: the cheapest line
     data = page_data(rows)
-    bars = chart(render(data, generated_at=GENERATED), "top-endpoints").find("g", **{"class": "bar"})
+    bars = chart(render(data, generated_at=GENERATED), "top-endpoints").find("li", **{"class": "bar"})
     assert [bar["data-id"] for bar in bars] == endpoints[::-1][:MAX_ENDPOINTS]
     costs = {line.key[1]: line.cost_total for line in data.by_endpoint.lines}
     assert [bar["data-value"] for bar in bars] == [f"${costs[bar['data-id']]:,f}" for bar in bars]
@@ -239,7 +270,7 @@ def test_an_empty_period_renders_and_says_so() -> None:
     page = render(page_data([]), generated_at=GENERATED)
     parsed = Elements(page)
     assert NO_USAGE in "".join(parsed.text)
-    assert len(parsed.find("svg", data_chart="*")) == 3
+    assert len(parsed.find("svg", data_chart="*")) + len(parsed.find("figure", data_chart="*")) == 3
     assert not parsed.find("rect", **{"class": "segment"})
 
 

@@ -1,17 +1,132 @@
-"""PLACEHOLDER: the Models & prices page (being written)."""
+"""The admin's models & prices page: the registered base models with a form to register one, and the versioned price
+book (every version per base model and service tier, the one in force now marked) with a form to add a version.
+
+Both forms are read into the API's own request bodies (BaseModelCreate, PriceSet: decimal prices, at most 9
+decimals, an instant read as UTC) and go through the API's own functions (`register_base_model`, `set_price`), so a
+price that would re-rate recorded usage is refused here as there. A refused form re-renders the page with the
+message and the admin's input, having written nothing.
+"""
 
 from __future__ import annotations
 
-from litestar import Controller, get
-from litestar.response import Template
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
-from loraplex.platform.console.access import Caller
+from litestar import Controller, get, post
+from litestar.response import Template
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from loraplex.platform.console.access import Caller, ConsoleCaller
+from loraplex.platform.console.forms import FormData, parse_form
 from loraplex.platform.console.pages import page
+from loraplex.platform.console.security import CSRF_FIELD
+from loraplex.platform.dependencies import AppResources, DbSession
+from loraplex.platform.domain.base_models.controllers import register_base_model
+from loraplex.platform.domain.base_models.models import Quantization
+from loraplex.platform.domain.base_models.schemas import BaseModelCreate, BaseModelOut
+from loraplex.platform.domain.base_models.service import BaseModelService
+from loraplex.platform.domain.billing.controllers import set_price
+from loraplex.platform.domain.billing.schemas import PriceOut, PriceSet
+from loraplex.platform.domain.billing.service import BillingService
+from loraplex.platform.errors import ApiError
+from loraplex.platform.resources import Resources
+from loraplex.platform.service_tiers import TIER_ORDER
+
+TITLE = "Models & prices"
+PRICE_LABELS = {
+    "base_model": "base model",
+    "service_tier": "service tier",
+    "input_per_mtok": "input price (USD per 1M tokens)",
+    "cached_input_per_mtok": "cached input price (USD per 1M tokens)",
+    "output_per_mtok": "output price (USD per 1M tokens)",
+    "effective_at": "effective from",
+}
+MODEL_LABELS = {"name": "name", "source": "source path", "quantization": "quantization"}
+
+
+@dataclass(frozen=True, slots=True)
+class PriceBook:
+    """One base model and tier's versions, newest first (PriceOut.history's order and statuses)."""
+
+    base_model: str
+    service_tier: str
+    versions: tuple[PriceOut, ...]
+
+
+def price_books(versions: Sequence[PriceOut]) -> list[PriceBook]:
+    """The price book's versions grouped per base model and tier, in the order the price book lists them."""
+    grouped: dict[tuple[str, str], list[PriceOut]] = {}
+    for version in versions:
+        grouped.setdefault((version.base_model, version.service_tier.value), []).append(version)
+    return [PriceBook(model, tier, tuple(rows)) for (model, tier), rows in grouped.items()]
+
+
+def _fields(data: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """The form's fields a request body knows (those bodies refuse unknown fields, the CSRF one included)."""
+    return {name: data[name] for name in names if name in data and name != CSRF_FIELD}
+
+
+async def _page(
+    caller: ConsoleCaller,
+    db: AsyncSession,
+    resources: Resources,
+    *,
+    notice: str | None = None,
+    price_error: str | None = None,
+    model_error: str | None = None,
+    form: dict[str, Any] | None = None,
+    status_code: int = 200,
+) -> Template:
+    models = [BaseModelOut.of(row) for row in await BaseModelService(db, resources.model_configs).list()]
+    now = datetime.now(UTC)
+    versions = PriceOut.history(await BillingService(db).prices(), now)
+    return page(
+        "admin_models.html",
+        caller,
+        title=TITLE,
+        status_code=status_code,
+        models=models,
+        books=price_books(versions),
+        tiers=[tier.value for tier in TIER_ORDER],
+        quantizations=[q.value for q in Quantization],
+        now=f"{now:%Y-%m-%dT%H:%M}",
+        notice=notice,
+        price_error=price_error,
+        model_error=model_error,
+        form=form or {},
+    )
 
 
 class AdminModelPages(Controller):
-    path = "/models"
+    path = "/"
 
-    @get("/")
-    async def index(self, caller: Caller) -> Template:
-        return page("placeholder.html", caller, title="Models & prices")
+    @get("/models")
+    async def index(self, caller: Caller, db: DbSession, resources: AppResources) -> Template:
+        return await _page(caller, db, resources)
+
+    @post("/models", status_code=200)
+    async def register(self, caller: Caller, db: DbSession, resources: AppResources, data: FormData) -> Template:
+        try:
+            body = parse_form(BaseModelCreate, _fields(data, BaseModelCreate.model_fields), labels=MODEL_LABELS)
+            created = await register_base_model(db, resources, body)
+        except ApiError as exc:
+            await db.rollback()
+            return await _page(caller, db, resources, model_error=exc.message, form=data, status_code=exc.status_code)
+        return await _page(caller, db, resources, notice=f"Base model {created.name} registered.", status_code=201)
+
+    @post("/prices", status_code=200)
+    async def add_price(self, caller: Caller, db: DbSession, resources: AppResources, data: FormData) -> Template:
+        try:
+            body = parse_form(PriceSet, _fields(data, PriceSet.model_fields), labels=PRICE_LABELS)
+            added = await set_price(db, body)
+        except ApiError as exc:
+            await db.rollback()
+            return await _page(caller, db, resources, price_error=exc.message, form=data, status_code=exc.status_code)
+        notice = (
+            f"{added.base_model} ({added.service_tier.value} tier): {added.input_per_mtok} / "
+            f"{added.cached_input_per_mtok} / {added.output_per_mtok} USD per 1M tokens from "
+            f"{added.effective_at:%Y-%m-%d %H:%M} UTC ({added.status})."
+        )
+        return await _page(caller, db, resources, notice=notice, status_code=201)

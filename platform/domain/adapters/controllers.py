@@ -12,12 +12,15 @@ from litestar.exceptions import ClientException, ValidationException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.params import FromPath, FromQuery, MultipartBody
 from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.dependencies import AppResources, DbSession, Principal
 from loraplex.platform.domain.adapters.schemas import AdapterDeleted, AdapterOut, AdapterUploadFields
 from loraplex.platform.domain.adapters.service import AdapterService
 from loraplex.platform.domain.adapters.upload import ADAPTER_FILES, UploadedFile
 from loraplex.platform.errors import ApiError, handle_exception, invalid_request, openai_error
+from loraplex.platform.ids import TenantId
+from loraplex.platform.resources import Resources
 from loraplex.platform.schemas import ObjectList, PageLimit
 from loraplex.platform.settings import Settings
 
@@ -104,16 +107,8 @@ class AdapterController(Controller):
     async def create(
         self, data: MultipartBody[dict[str, Any]], principal: Principal, db: DbSession, resources: AppResources
     ) -> AdapterOut:
-        fields, parts = await _read_form(data)
-        service = AdapterService(db, resources)
-        adapter = await service.create(principal.tenant_id, fields, parts)
-        tenant_id, adapter_id = adapter.tenant_id, adapter.id
-        try:
-            await db.commit()
-        except Exception:
-            await service.delete_objects(tenant_id, adapter_id)
-            raise
-        return await service.out(adapter)
+        fields, parts = await read_adapter_form(data)
+        return await create_adapter(db, resources, principal.tenant_id, fields, parts)
 
     @get("/", summary="List your adapters, newest first")
     async def list(
@@ -140,11 +135,7 @@ class AdapterController(Controller):
     async def delete(
         self, adapter_id: FromPath[uuid.UUID], principal: Principal, db: DbSession, resources: AppResources
     ) -> AdapterDeleted:
-        service = AdapterService(db, resources)
-        await service.delete(adapter_id, principal.tenant_id)
-        await db.commit()
-        # After the commit: a failed commit must not leave a row whose files are gone.
-        await service.delete_objects(principal.tenant_id, adapter_id)
+        await delete_adapter(db, resources, adapter_id, principal.tenant_id)
         return AdapterDeleted(id=adapter_id)
 
 
@@ -157,7 +148,32 @@ def adapter_controller(settings: Settings) -> type[AdapterController]:
     return type("AdapterController", (AdapterController,), {"request_max_body_size": settings.max_adapter_upload_bytes})
 
 
-async def _read_form(data: dict[str, Any]) -> tuple[AdapterUploadFields, list[UploadedFile]]:
+async def create_adapter(
+    db: AsyncSession, resources: Resources, tenant_id: TenantId, fields: AdapterUploadFields, parts: list[UploadedFile]
+) -> AdapterOut:
+    """Validate, store and commit an upload (the API's and the console's way); a failed commit deletes the stored
+    files again, so nothing is left half-written."""
+    service = AdapterService(db, resources)
+    adapter = await service.create(tenant_id, fields, parts)
+    adapter_id = adapter.id
+    try:
+        await db.commit()
+    except Exception:
+        await service.delete_objects(tenant_id, adapter_id)
+        raise
+    return await service.out(adapter)
+
+
+async def delete_adapter(db: AsyncSession, resources: Resources, adapter_id: uuid.UUID, tenant_id: TenantId) -> None:
+    """Delete and commit one of the tenant's adapters (409 while an endpoint uses it), then its files."""
+    service = AdapterService(db, resources)
+    await service.delete(adapter_id, tenant_id)
+    await db.commit()
+    # After the commit: a failed commit must not leave a row whose files are gone.
+    await service.delete_objects(tenant_id, adapter_id)
+
+
+async def read_adapter_form(data: dict[str, Any]) -> tuple[AdapterUploadFields, list[UploadedFile]]:
     """The text fields and the file parts of the multipart body (a field sent twice arrives as a list)."""
     text: dict[str, str] = {}
     parts: list[UploadedFile] = []

@@ -1,14 +1,16 @@
-"""Every query on adapters; every read takes the tenant id."""
+"""Every query on adapters; every read takes the tenant id, except the admin's `list_by_digests`."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.db.pagination import Page, fetch_page
 from loraplex.platform.domain.adapters.models import Adapter
+from loraplex.platform.domain.tenants.models import Tenant
 from loraplex.platform.ids import TenantId
 
 
@@ -36,6 +38,19 @@ class AdapterRepository:
             select(func.max(Adapter.version)).where(Adapter.name == name, Adapter.tenant_id == tenant_id)
         )
         return int(latest or 0)
+
+    async def list_by_digests(self, digests: Collection[str]) -> list[tuple[Adapter, str]]:
+        """Every tenant's adapters with one of these content digests, with the tenant's name (admin only); by tenant
+        name, name and version. Two rows may share a digest (the same files uploaded twice)."""
+        if not digests:
+            return []
+        rows = await self._session.execute(
+            select(Adapter, Tenant.name)
+            .join(Tenant, Tenant.id == Adapter.tenant_id)
+            .where(Adapter.digest.in_(list(digests)))
+            .order_by(Tenant.name, Adapter.name, Adapter.version)
+        )
+        return [(adapter, tenant_name) for adapter, tenant_name in rows]
 
     async def add(self, adapter: Adapter) -> Adapter:
         self._session.add(adapter)

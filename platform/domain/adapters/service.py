@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -152,6 +152,11 @@ class AdapterService:
         self, tenant_id: TenantId, *, limit: int, after: uuid.UUID | None, name: str | None = None
     ) -> Page[Adapter]:
         return await self._adapters.list_for_tenant(tenant_id, limit=limit, after=after, name=name)
+
+    async def list_by_digests(self, digests: Collection[str]) -> Sequence[tuple[Adapter, str]]:
+        """Any tenant's adapters with these content digests, each with its tenant's name (admin only: what the
+        engines' resident digests are)."""
+        return await self._adapters.list_by_digests(digests)
 
     async def delete(self, adapter_id: uuid.UUID, tenant_id: TenantId) -> Adapter:
         """Remove the row (flushed, not committed), refusing while an endpoint uses the adapter.

@@ -10,12 +10,13 @@ from datetime import UTC, datetime
 from litestar import Controller, MediaType, Response, get, put
 from litestar.params import FromQuery, JSONBody
 from litestar.response import Template
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.dependencies import DbSession
 from loraplex.platform.domain.billing.page import PAGE_HEADERS, PAGE_TEMPLATE, gather, page_context, page_range
 from loraplex.platform.domain.billing.rating import GroupBy
 from loraplex.platform.domain.billing.schemas import BillingReportOut, PriceList, PriceOut, PriceSet, report_csv
-from loraplex.platform.domain.billing.service import BillingService
+from loraplex.platform.domain.billing.service import BillingReport, BillingService
 from loraplex.platform.domain.usage.schemas import parse_instant
 from loraplex.platform.domain.usage.service import resolve_range
 from loraplex.platform.ids import TenantId
@@ -26,6 +27,31 @@ CSV_MEDIA_TYPE = "text/csv; charset=utf-8"
 class ReportFormat(enum.StrEnum):
     JSON = "json"
     CSV = "csv"
+
+
+async def set_price(db: AsyncSession, data: PriceSet) -> PriceOut:
+    """Add and commit a price version (the API's and the console's way); the version as the price book lists it."""
+    service = BillingService(db)
+    now = datetime.now(UTC)
+    added = await service.set_price(
+        data.base_model,
+        input_per_mtok=data.input_per_mtok,
+        cached_input_per_mtok=data.cached_input_per_mtok,
+        output_per_mtok=data.output_per_mtok,
+        effective_at=data.effective_at,
+        service_tier=data.service_tier,
+        now=now,
+    )
+    history = PriceOut.history(await service.prices(data.base_model), now)
+    await db.commit()
+    return next(version for version in history if version.id == str(added.id))
+
+
+def csv_headers(report: BillingReport) -> dict[str, str]:
+    """The headers of the report as a CSV download (`report_csv`, CSV_MEDIA_TYPE), named after its grouping and period:
+    the API's and the console's."""
+    name = f"billing-{report.group_by.value}-{report.start:%Y%m%dT%H%M%SZ}-{report.end:%Y%m%dT%H%M%SZ}.csv"
+    return {"Content-Disposition": f'attachment; filename="{name}"'}
 
 
 class AdminPriceController(Controller):
@@ -48,20 +74,7 @@ class AdminPriceController(Controller):
         "effective_at",
     )
     async def set(self, data: JSONBody[PriceSet], db: DbSession) -> PriceOut:
-        service = BillingService(db)
-        now = datetime.now(UTC)
-        added = await service.set_price(
-            data.base_model,
-            input_per_mtok=data.input_per_mtok,
-            cached_input_per_mtok=data.cached_input_per_mtok,
-            output_per_mtok=data.output_per_mtok,
-            effective_at=data.effective_at,
-            service_tier=data.service_tier,
-            now=now,
-        )
-        history = PriceOut.history(await service.prices(data.base_model), now)
-        await db.commit()
-        return next(version for version in history if version.id == str(added.id))
+        return await set_price(db, data)
 
 
 class AdminBillingController(Controller):
@@ -117,10 +130,5 @@ class AdminBillingController(Controller):
             start=since, end=until, group_by=group_by, tenant_id=None if tenant_id is None else TenantId(tenant_id)
         )
         if format is ReportFormat.CSV:
-            name = f"billing-{group_by.value}-{since:%Y%m%dT%H%M%SZ}-{until:%Y%m%dT%H%M%SZ}.csv"
-            return Response(
-                report_csv(report),
-                media_type=CSV_MEDIA_TYPE,
-                headers={"Content-Disposition": f'attachment; filename="{name}"'},
-            )
+            return Response(report_csv(report), media_type=CSV_MEDIA_TYPE, headers=csv_headers(report))
         return Response(BillingReportOut.of(report))

@@ -10,8 +10,10 @@ tenant chose (tenant and endpoint names) is escaped wherever it lands without a 
 
 Everything on the page is made on the server: inline CSS and inline SVG; no script, no font, no URL. The page goes
 out with a Content-Security-Policy that lets nothing load (`PAGE_HEADERS`), so a slip in a template cannot make a
-browser fetch from anywhere. Every figure shown is a rounded figure of a `BillingService` report, formatted but
-never recomputed; only the geometry (bar lengths) is float. Why: docs/decisions/0013-billing-page.md.
+browser fetch from anywhere. The console shows the same report (billing_sections.html) in its own frame, under its
+own CSP, which allows no inline style: so no element carries a `style` attribute, and the console links
+billing_page.css as a file (`STYLESHEET`). Every figure shown is a rounded figure of a `BillingService` report,
+formatted but never recomputed; only the geometry (bar lengths) is float. Why: docs/decisions/0013-billing-page.md.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from loraplex.platform.domain.billing.page_view import (
     Bar,
     BarChart,
     BarPlot,
+    BarTick,
     BillingPage,
     Card,
     CostChart,
@@ -50,6 +53,7 @@ from loraplex.platform.domain.billing.rating import MONEY_QUANTUM, GroupBy, Line
 from loraplex.platform.domain.billing.service import BillingReport, BillingService
 from loraplex.platform.domain.usage.service import resolve_range
 from loraplex.platform.ids import TenantId
+from loraplex.platform.wording import plural
 
 DEFAULT_DAYS = 30  # without `start`: this many UTC calendar days, the one `end` falls in included
 MAX_STACKED_TENANTS = 8  # the costliest tenants get a colour each in the cost chart; the rest share one
@@ -70,6 +74,7 @@ NO_USAGE = "No usage in this period."
 
 TEMPLATES = Path(__file__).with_name("templates")
 PAGE_TEMPLATE = "billing_page.html"
+STYLESHEET = TEMPLATES / "billing_page.css"
 
 # Tableau 10's first eight (distinct in print and for the common colour-vision deficiencies), then a grey for
 # the tenants beyond them.
@@ -77,11 +82,9 @@ PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b
 OTHER_COLOUR = "#bab0ac"
 OTHER_TENANTS = "other tenants"
 
-# The charts' viewBox widths, about their width on a laptop's screen so that text comes out near its CSS size:
-# the cost chart spans the column, the bar charts half of it.
+# The cost chart's viewBox width, about its width on a laptop's screen so that text comes out near its CSS size. The
+# bar charts are HTML rows, not a fixed SVG: their labels wrap, whole, at any width.
 _WIDTH = 960
-_HALF_WIDTH = 540
-_LABEL_CHARS = 28  # SVG text does not wrap: longer names are cut, the whole name is in the <title>
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +274,7 @@ def _cost_per_day(data: BillingPageData, names: dict[str, str]) -> CostChart:
                         title=f"{name}, {day}: {_usd(cost)}",
                     )
                 )
-            summary = f"{day}: {_usd(total.cost_total)}, {total.requests:,} requests"
+            summary = f"{day}: {_usd(total.cost_total)}, {plural(total.requests, 'request')}"
             bar = DayBar(day=day, title=summary, segments=tuple(segments))
         label = None
         if i % label_every == 0:
@@ -302,7 +305,8 @@ def _hit_rates(lines: Sequence[Line], names: dict[str, str]) -> BarChart:
             names[_tenant_id(line)],
             float(line.cache_hit_rate),
             _percent(line.cache_hit_rate),
-            f"{line.input_cached_tokens:,} of {line.input_uncached_tokens + line.input_cached_tokens:,} prompt tokens",
+            f"{line.input_cached_tokens:,} of "
+            + plural(line.input_uncached_tokens + line.input_cached_tokens, "prompt token"),
         )
         for line in shown
     ]
@@ -335,7 +339,7 @@ def _endpoints(lines: Sequence[Line], names: dict[str, str]) -> BarChart:
                 f"{what} · {tenant}",
                 float(line.cost_total / top) if top > 0 else 0.0,
                 _usd(line.cost_total),
-                f"{line.requests:,} requests",
+                plural(line.requests, "request"),
             )
         )
     return _bars(
@@ -362,40 +366,24 @@ def _bars(
     axis: Sequence[tuple[float, str]],
 ) -> BarChart:
     """A horizontal bar chart; `rows` are (id, label, value in [0, maximum], value text, detail)."""
-    width, row_h, label_w, value_w, top_pad = _HALF_WIDTH, 28, 196, 92, 6
-    bar_x, bar_w = label_w + 8, width - label_w - 8 - value_w
-    height = top_pad + len(rows) * row_h + (22 if axis else 6) if rows else 120
-    frame = Frame(chart, width, height, title, desc)
     if not rows:
-        return BarChart(frame, plot=None, no_data=_no_data(height, NO_USAGE, width=width))
-    bars = []
-    for i, (row_id, label, value, value_text, detail) in enumerate(rows):
-        y = top_pad + i * row_h
-        length = bar_w * min(max(value / maximum, 0.0), 1.0)
-        bars.append(
-            Bar(
-                row_id=row_id,
-                value=value_text,
-                title=f"{label}: {value_text} ({detail})",
-                label=_cut(label),
-                text_y=y + 18,
-                rect_y=y + 5,
-                length=f"{length:.2f}",
-            )
+        return BarChart(chart, title, desc, plot=None, no_data=NO_USAGE)
+    bars = tuple(
+        Bar(
+            row_id=row_id,
+            value=value_text,
+            title=f"{label}: {value_text} ({detail})",
+            label=label,
+            length=f"{100 * min(max(value / maximum, 0.0), 1.0):.2f}",
         )
-    base_y = top_pad + len(rows) * row_h
-    plot = BarPlot(
-        label_x=label_w,
-        bar_x=bar_x,
-        bar_width=bar_w,
-        bar_height=row_h - 10,
-        value_x=bar_x + bar_w + 6,
-        colour=colour,
-        bars=tuple(bars),
-        axis=tuple(AxisLabel(f"{bar_x + bar_w * fraction:.1f}", base_y + 14, text) for fraction, text in axis),
-        more=f"{more:,}" if more > 0 else None,
+        for row_id, label, value, value_text, detail in rows
     )
-    return BarChart(frame, plot=plot, no_data=None)
+    ticks = tuple(
+        BarTick(f"{100 * fraction:g}", "start" if fraction <= 0 else "end" if fraction >= 1 else "middle", text)
+        for fraction, text in axis
+    )
+    plot = BarPlot(colour=colour, bars=bars, axis=ticks, more=f"{more:,}" if more > 0 else None)
+    return BarChart(chart, title, desc, plot=plot, no_data=None)
 
 
 def _tenant_rows(report: BillingReport, names: dict[str, str]) -> tuple[TenantRow, ...]:
@@ -419,8 +407,8 @@ def _tenant_rows(report: BillingReport, names: dict[str, str]) -> tuple[TenantRo
 # --- helpers ------------------------------------------------------------------------------------------------------
 
 
-def _no_data(height: int, message: str, *, width: int = _WIDTH) -> NoData:
-    return NoData(x=f"{width / 2}", y=f"{height / 2 + 5}", text=message)
+def _no_data(height: int, message: str) -> NoData:
+    return NoData(x=f"{_WIDTH / 2}", y=f"{height / 2 + 5}", text=message)
 
 
 def _tenant_id(line: Line) -> str:
@@ -478,7 +466,3 @@ def _usd(amount: Decimal) -> str:
 def _percent(rate: Decimal) -> str:
     """A report's 4-decimal rate as a percentage with 2 decimals: exact, no further rounding."""
     return f"{rate * 100:.2f}%"
-
-
-def _cut(label: str) -> str:
-    return label if len(label) <= _LABEL_CHARS else label[: _LABEL_CHARS - 1] + "…"

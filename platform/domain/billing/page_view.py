@@ -1,6 +1,6 @@
 """The billing page's view model: what its templates lay out. Strings are as shown (raw: the templates escape them),
-geometry is in viewBox units, floats already formatted (to .1f or .2f, as the SVG has always carried them). Built by
-`page.page_view`."""
+geometry is in the cost chart's viewBox units or, for the bar charts, in percent, floats already formatted (to .1f or
+.2f). Built by `page.page_view`."""
 
 from __future__ import annotations
 
@@ -112,35 +112,42 @@ class CostChart:
 
 @dataclass(frozen=True, slots=True)
 class Bar:
+    """A row of a horizontal bar chart: the whole label (it wraps, never cut), the bar, the value."""
+
     row_id: str  # its `data-id`: a tenant or endpoint id
     value: str  # as shown, and its `data-value`
-    title: str
-    label: str  # cut to fit; the whole of it is in the title
-    text_y: int
-    rect_y: int
-    length: str
+    title: str  # the tooltip: label, value and detail
+    label: str
+    length: str  # percent of the track (0 to 100, .2f)
+
+
+@dataclass(frozen=True, slots=True)
+class BarTick:
+    """A label of a bar chart's axis, at `x` percent of the track, anchored so that the end ones stay inside it."""
+
+    x: str
+    anchor: str  # SVG text-anchor: start, middle or end
+    text: str
 
 
 @dataclass(frozen=True, slots=True)
 class BarPlot:
-    label_x: int  # where the labels end
-    bar_x: int
-    bar_width: int  # the track's, a full bar's
-    bar_height: int
-    value_x: int
     colour: str
     bars: tuple[Bar, ...]
-    axis: tuple[AxisLabel, ...]
+    axis: tuple[BarTick, ...]
     more: str | None  # how many rows were left out, when any were
 
 
 @dataclass(frozen=True, slots=True)
 class BarChart:
-    """A horizontal bar chart: a plot, or (exactly one of the two) a message when it has no rows."""
+    """A horizontal bar chart, laid out as HTML rows (so labels wrap): a plot, or (exactly one of the two) a message
+    when it has no rows. `chart` is its `data-chart` and prefixes the ids of its title and description."""
 
-    frame: Frame
+    chart: str
+    title: str
+    desc: str
     plot: BarPlot | None
-    no_data: NoData | None
+    no_data: str | None
 
 
 @dataclass(frozen=True, slots=True)

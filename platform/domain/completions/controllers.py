@@ -20,7 +20,6 @@ from litestar.response import Stream
 
 from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.concurrency import HeldLease, concurrency_error
-from loraplex.platform.db.pagination import MAX_PAGE_SIZE
 from loraplex.platform.dependencies import AppResources, Principal
 from loraplex.platform.domain.adapters.service import ready_adapter_ref
 from loraplex.platform.domain.base_models.models import BaseModel
@@ -44,6 +43,7 @@ from loraplex.platform.domain.completions.service import (
 )
 from loraplex.platform.domain.endpoints.models import Endpoint
 from loraplex.platform.domain.endpoints.repository import EndpointRepository
+from loraplex.platform.domain.endpoints.service import EndpointService
 from loraplex.platform.domain.fleet.client import EngineRequestError, EngineUnavailable
 from loraplex.platform.errors import ApiError, openai_error
 from loraplex.platform.ratelimit import rate_limit_error
@@ -119,7 +119,7 @@ async def _start(
     return call, {**decision.headers, "x-request-id": call.request_id}, HeldLease(resources.leases, admission.lease)
 
 
-async def _complete(
+async def complete(
     request: HttpRequest[Any, Any, Any], resources: Resources, principal: TenantPrincipal, body: Request, path: str
 ) -> Response[Any]:
     # Watched from the start: a client that gave up while this request waited (on a slow database, say) has gone
@@ -381,7 +381,7 @@ class CompletionsController(Controller):
         principal: Principal,
         resources: AppResources,
     ) -> Response[Any]:
-        return await _complete(request, resources, principal, data, "/v1/chat/completions")
+        return await complete(request, resources, principal, data, "/v1/chat/completions")
 
     @post(
         "/completions",
@@ -397,21 +397,13 @@ class CompletionsController(Controller):
         principal: Principal,
         resources: AppResources,
     ) -> Response[Any]:
-        return await _complete(request, resources, principal, data, "/v1/completions")
+        return await complete(request, resources, principal, data, "/v1/completions")
 
     @get("/models", summary="Models you can name: your endpoints and the base models")
     async def models(self, principal: Principal, resources: AppResources) -> dict[str, Any]:
-        endpoints: list[Endpoint] = []
         async with resources.sessions() as session:
             base_models = await BaseModelRepository(session).list()
-            repository = EndpointRepository(session)
-            while True:  # every endpoint, not only the first page: a model missing here looks like a 404 later
-                page = await repository.list_for_tenant(
-                    principal.tenant_id, limit=MAX_PAGE_SIZE, after=endpoints[-1].id if endpoints else None
-                )
-                endpoints += page.items
-                if not page.has_more:
-                    break
+            endpoints = await EndpointService(session).list_all(principal.tenant_id)
         data = [_endpoint_card(e) for e in endpoints] + [_base_model_card(b) for b in base_models]
         return {"object": "list", "data": data}
 

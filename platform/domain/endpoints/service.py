@@ -3,12 +3,13 @@ Stateless; never commits."""
 
 from __future__ import annotations
 
+import builtins
 import uuid
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from loraplex.platform.db.pagination import Page
+from loraplex.platform.db.pagination import MAX_PAGE_SIZE, Page
 from loraplex.platform.domain.adapters.models import Adapter
 from loraplex.platform.domain.adapters.repository import AdapterRepository
 from loraplex.platform.domain.adapters.service import require_ready
@@ -68,6 +69,16 @@ class EndpointService:
 
     async def list(self, tenant_id: TenantId, *, limit: int, after: uuid.UUID | None) -> Page[Endpoint]:
         return await self._endpoints.list_for_tenant(tenant_id, limit=limit, after=after)
+
+    async def list_all(self, tenant_id: TenantId) -> builtins.list[Endpoint]:
+        """Every endpoint of the tenant, newest first: what lists of the models a tenant can name show (a model
+        missing from such a list looks like a 404 later)."""
+        endpoints: builtins.list[Endpoint] = []
+        while True:
+            page = await self.list(tenant_id, limit=MAX_PAGE_SIZE, after=endpoints[-1].id if endpoints else None)
+            endpoints += page.items
+            if not page.has_more:
+                return endpoints
 
     async def delete(self, endpoint_id: uuid.UUID, tenant_id: TenantId) -> None:
         await self._endpoints.delete(await self.get(endpoint_id, tenant_id))

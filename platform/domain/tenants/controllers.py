@@ -6,12 +6,45 @@ import uuid
 
 from litestar import Controller, get, patch, post
 from litestar.params import FromPath, FromQuery, JSONBody
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.dependencies import AppResources, DbSession, Principal
 from loraplex.platform.domain.tenants.schemas import TenantCreate, TenantOut, TenantPatch
 from loraplex.platform.domain.tenants.service import TenantService
 from loraplex.platform.ids import TenantId
+from loraplex.platform.resources import Resources
 from loraplex.platform.schemas import ObjectList, PageLimit
+
+
+async def create_tenant(db: AsyncSession, resources: Resources, data: TenantCreate) -> TenantOut:
+    """Create and commit a tenant (the API's and the console's way)."""
+    tenant = await TenantService(db).create(
+        data.name,
+        fairness_weight=data.fairness_weight,
+        service_tiers=data.service_tiers,
+        limits=data.limits.changes() if data.limits is not None else None,
+    )
+    await db.commit()
+    return TenantOut.of(tenant, resources.settings.default_service_tiers)
+
+
+async def update_tenant(db: AsyncSession, resources: Resources, tenant_id: TenantId, data: TenantPatch) -> TenantOut:
+    """Apply and commit `data` (the API's and the console's way); a changed status is then told to every replica,
+    which ends the tenant's API access and console sessions (or lets them in again) at their next request."""
+    result = await TenantService(db).update(
+        tenant_id,
+        name=data.name,
+        status=data.status,
+        fairness_weight=data.fairness_weight,
+        service_tiers=data.service_tiers,
+        reset_service_tiers=data.resets_service_tiers,
+        limits=data.limits.changes() if data.limits is not None else None,
+    )
+    await db.commit()
+    if result.status_changed:
+        # After the commit: every replica's next request sees the new status.
+        await resources.authenticator.tenant_changed(tenant_id, result.tenant.status)
+    return TenantOut.of(result.tenant, resources.settings.default_service_tiers)
 
 
 class AdminTenantController(Controller):
@@ -20,14 +53,7 @@ class AdminTenantController(Controller):
 
     @post("/", status_code=201, summary="Create a tenant")
     async def create(self, data: JSONBody[TenantCreate], db: DbSession, resources: AppResources) -> TenantOut:
-        tenant = await TenantService(db).create(
-            data.name,
-            fairness_weight=data.fairness_weight,
-            service_tiers=data.service_tiers,
-            limits=data.limits.changes() if data.limits is not None else None,
-        )
-        await db.commit()
-        return TenantOut.of(tenant, resources.settings.default_service_tiers)
+        return await create_tenant(db, resources, data)
 
     @get("/", summary="List tenants, newest first")
     async def list(
@@ -53,20 +79,7 @@ class AdminTenantController(Controller):
     async def update(
         self, tenant_id: FromPath[uuid.UUID], data: JSONBody[TenantPatch], db: DbSession, resources: AppResources
     ) -> TenantOut:
-        result = await TenantService(db).update(
-            TenantId(tenant_id),
-            name=data.name,
-            status=data.status,
-            fairness_weight=data.fairness_weight,
-            service_tiers=data.service_tiers,
-            reset_service_tiers=data.resets_service_tiers,
-            limits=data.limits.changes() if data.limits is not None else None,
-        )
-        await db.commit()
-        if result.status_changed:
-            # After the commit: every replica's next request sees the new status.
-            await resources.authenticator.tenant_changed(TenantId(tenant_id), result.tenant.status)
-        return TenantOut.of(result.tenant, resources.settings.default_service_tiers)
+        return await update_tenant(db, resources, TenantId(tenant_id), data)
 
 
 class TenantSelfController(Controller):
