@@ -16,10 +16,9 @@ from typing import Any
 import httpx
 import pytest
 from _support.adapters import make_peft_adapter
-from _support.console import BrowserProblems, chromium_executable, csrf_token, page_token, review, sign_in
+from _support.console import csrf_token, page_token, sign_in
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
-from playwright.async_api import async_playwright
 
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.platform.app import create_app
@@ -320,53 +319,3 @@ async def test_an_upload_over_the_limit_is_refused_with_the_limit(
         response = await small.post("/console/adapters", data=fields, files=two_files(files), headers=script)
         assert response.status_code == 413
         assert response.json()["detail"] == "The upload is larger than 4,096 bytes, the most this server accepts."
-
-
-async def test_chromium_uploads_with_progress_and_makes_an_endpoint(demo_platform: tuple[Litestar, str]) -> None:
-    _, url = demo_platform
-    async with httpx.AsyncClient(base_url=url, headers=ADMIN) as admin:
-        tenant = (await admin.post("/admin/tenants", json={"name": "browser"})).json()
-        key = (await admin.post(f"/admin/tenants/{tenant['id']}/api-keys", json={"name": "k"})).json()["key"]
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=chromium_executable(), headless=True)
-        try:
-            page = await browser.new_page(viewport={"width": 1280, "height": 900})
-            problems = BrowserProblems(page, url)
-            await page.goto(f"{url}/console")
-            await page.fill("#key", key)
-            await page.click("button[type=submit]")
-            await page.wait_for_url(f"{url}/console/playground*")
-
-            await page.goto(f"{url}/console/adapters")
-            await page.fill("#adapter-name", "upper")
-            await page.select_option("#adapter-base", DEMO_BASE)
-            await page.set_input_files("#adapter-config", DEMO_ADAPTER / CONFIG_FILE)
-            await page.set_input_files("#adapter-weights", DEMO_ADAPTER / WEIGHTS_FILE)
-            await page.click("form[data-upload] button[type=submit]")
-            result = page.locator("[data-result]")
-            await result.wait_for(state="visible")
-            assert await page.locator("[data-progress] progress").is_visible()
-            assert await page.locator("[data-progress] progress").get_attribute("value") == "100"
-            assert re.fullmatch(r"Uploaded upper v1: ready, rank \d+, [\d.]+ KiB\.", await result.inner_text())
-            # The list is the server's again, with the new row, without a reload.
-            row = page.locator("table[data-table=adapters] tbody tr")
-            await row.first.wait_for()
-            assert await row.count() == 1
-            assert "ready" in await row.inner_text()
-            assert await page.locator("#adapter-name").input_value() == ""  # the form is ready for the next one
-            await review(page, "adapters")
-
-            await page.goto(f"{url}/console/endpoints")
-            await page.fill("#endpoint-name", "shouty")
-            await page.select_option("#endpoint-base", DEMO_BASE)
-            await page.select_option("#endpoint-adapter", label="upper v1")
-            await page.click("form[action='/console/endpoints'] button[type=submit]")
-            await page.locator("[data-created]").wait_for()
-            row = page.locator("table[data-table=endpoints] tbody tr")
-            assert await row.count() == 1
-            text = await row.inner_text()
-            assert "shouty" in text and "upper v1" in text and 'model="shouty"' in text
-            await review(page, "endpoints")
-            problems.check()
-        finally:
-            await browser.close()
