@@ -29,17 +29,18 @@ dev: $(STAMP)
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The billing page's browser test drives Debian's chromium through Playwright (docs/decisions/0013-billing-page.md).
+# The browser tests (the console's and the billing page's) drive Debian's chromium through Playwright
+# (docs/decisions/0013-billing-page.md, 0029-console.md).
 # Installed only when none is found; `apt-get update` only if the install fails (a fresh image has no lists).
 # Without apt-get, or without root or sudo, it says so and the test fails with what to install.
 APT_CHROMIUM := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium
 chromium:
 	@if command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium; then exit 0; fi; \
 	if ! command -v apt-get >/dev/null 2>&1; then \
-		echo "warning: no chromium and no apt-get: install Chromium for the billing page's browser test" >&2; exit 0; fi; \
+		echo "warning: no chromium and no apt-get: install Chromium for the browser tests" >&2; exit 0; fi; \
 	if [ "$$(id -u)" -eq 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else \
 		echo "warning: no chromium, and neither root nor sudo to run: apt-get install chromium" >&2; exit 0; fi; \
-	echo "installing Debian's chromium (for the billing page's browser test)"; \
+	echo "installing Debian's chromium (for the browser tests)"; \
 	$$SUDO env $(APT_CHROMIUM) || { $$SUDO apt-get update && $$SUDO env $(APT_CHROMIUM); }
 
 lint: $(STAMP)

@@ -11,7 +11,7 @@ from typing import Any
 from litestar import Response, Router
 from litestar.di import Provide
 from litestar.static_files import create_static_files_router
-from litestar.types import ControllerRouterHandler, ExceptionHandlersMap
+from litestar.types import ControllerRouterHandler, ExceptionHandlersMap, Guard
 
 from loraplex.platform.console.access import (
     SignInRequired,
@@ -43,6 +43,17 @@ _HANDLERS: ExceptionHandlersMap = {SignInRequired: sign_in_required, Exception: 
 _CALLER = {"caller": Provide(provide_console_caller)}
 
 
+def _router(path: str, handlers: list[ControllerRouterHandler], *, guards: list[Guard]) -> Router:
+    return Router(
+        path=path,
+        route_handlers=handlers,
+        guards=guards,
+        exception_handlers=_HANDLERS,
+        dependencies=_CALLER,
+        include_in_schema=False,
+    )
+
+
 def console_routers(settings: Settings) -> list[ControllerRouterHandler]:
     tenant: list[ControllerRouterHandler] = [
         KeyPages,
@@ -53,29 +64,9 @@ def console_routers(settings: Settings) -> list[ControllerRouterHandler]:
     ]
     admin: list[ControllerRouterHandler] = [AdminTenantPages, AdminModelPages, AdminBillingPages, AdminFleetPages]
     return [
-        Router(
-            path="/",
-            route_handlers=[SignInController],
-            exception_handlers=_HANDLERS,
-            dependencies=_CALLER,
-            include_in_schema=False,
-        ),
-        Router(
-            path="/console",
-            route_handlers=tenant,
-            guards=[require_console_tenant],
-            exception_handlers=_HANDLERS,
-            dependencies=_CALLER,
-            include_in_schema=False,
-        ),
-        Router(
-            path="/console/admin",
-            route_handlers=admin,
-            guards=[require_console_admin],
-            exception_handlers=_HANDLERS,
-            dependencies=_CALLER,
-            include_in_schema=False,
-        ),
+        _router("/", [SignInController], guards=[]),
+        _router("/console", tenant, guards=[require_console_tenant]),
+        _router("/console/admin", admin, guards=[require_console_admin]),
         create_static_files_router(
             path=STATIC_PATH,
             directories=[STATIC],

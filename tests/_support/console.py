@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+import httpx
 import pytest
+from playwright.async_api import Browser, async_playwright
 
 CHROMIUM_MISSING = (
     "The console's browser tests need Debian's Chromium: `sudo apt-get install chromium` (or run `make test`, "
@@ -32,6 +36,29 @@ def chromium_executable() -> str:
     if found is None:
         pytest.fail(CHROMIUM_MISSING)
     return found
+
+
+@contextlib.asynccontextmanager
+async def chromium() -> AsyncIterator[Browser]:
+    """Debian's Chromium, headless, driven by Playwright; closed after the block."""
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=chromium_executable(), headless=True)
+        try:
+            yield browser
+        finally:
+            await browser.close()
+
+
+@contextlib.contextmanager
+def other_browser(client: Any) -> Iterator[Any]:
+    """Another browser on the same app: the test client with a cookie jar of its own while the block runs (one test
+    client per app: a second one would start the app's lifespan again, on another event loop)."""
+    saved = client.cookies
+    client.cookies = httpx.Cookies()
+    try:
+        yield client
+    finally:
+        client.cookies = saved
 
 
 def csrf_token(html: str) -> str:

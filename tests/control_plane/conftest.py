@@ -19,9 +19,10 @@ from _support.services import PostgresServer, RedisServer, S3Server
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loraplex.platform.app import create_app
-from loraplex.platform.db.engine import create_engine
+from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.db.migrate import upgrade
 from loraplex.platform.settings import Settings
 
@@ -177,6 +178,17 @@ def serving(app: Litestar, *, port: int = 0, start_timeout_s: float = 120) -> It
 async def app(integration_settings: Settings) -> Litestar:
     await migrate(integration_settings)
     return create_app(integration_settings)
+
+
+@pytest.fixture
+async def sessions(app: Litestar, integration_settings: Settings) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    """Sessions of the test's own on its database (migrated by the `app` fixture); the app's pool lives on the test
+    client's event loop, in another thread."""
+    engine = create_engine(integration_settings.effective_database_url)
+    try:
+        yield create_session_factory(engine)
+    finally:
+        await engine.dispose()
 
 
 @pytest.fixture

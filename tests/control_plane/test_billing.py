@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import io
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal, localcontext
 from typing import Any
@@ -18,14 +17,12 @@ from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.billing.models import PriceVersion
 from loraplex.platform.domain.billing.rating import GroupBy
 from loraplex.platform.domain.billing.service import BillingService
 from loraplex.platform.domain.tenants.models import Tenant
 from loraplex.platform.domain.usage.repository import UsageRepository
-from loraplex.platform.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -33,16 +30,6 @@ Client = AsyncTestClient[Litestar]
 Sessions = async_sessionmaker[AsyncSession]
 NOW = datetime.now(UTC).replace(microsecond=0)
 MONEY = ("cost_uncached", "cost_cached", "cost_output", "cost_total", "cache_savings")
-
-
-@pytest.fixture
-async def sessions(app: Litestar, integration_settings: Settings) -> AsyncIterator[Sessions]:
-    """Sessions on this test's database, migrated by the `app` fixture."""
-    engine = create_engine(integration_settings.effective_database_url)
-    try:
-        yield create_session_factory(engine)
-    finally:
-        await engine.dispose()
 
 
 @pytest.fixture

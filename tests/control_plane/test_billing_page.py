@@ -8,10 +8,8 @@ finer rules (escaping, structure) are unit-tested in test_billing_page_render.py
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -20,18 +18,16 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from _support.console import chromium, chromium_executable
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
-from playwright.async_api import async_playwright
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.billing.page import CONTENT_SECURITY_POLICY, page_range
 from loraplex.platform.domain.billing.service import BillingService
 from loraplex.platform.domain.tenants.models import Tenant
 from loraplex.platform.domain.usage.repository import UsageRepository
-from loraplex.platform.settings import Settings
 
 from .conftest import ADMIN_TOKEN, serving
 
@@ -42,30 +38,6 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 NOW = datetime.now(UTC).replace(microsecond=0)
 EVIL = "<script>alert(1)</script>"
 CHARTS = ("cost-per-day", "cache-hit-rate", "top-endpoints")
-CHROMIUM_MISSING = (
-    "The billing page's browser test needs Debian's Chromium: `sudo apt-get install chromium` (or run `make test`, "
-    "which installs it). Looked for /usr/bin/chromium and `chromium` on PATH."
-)
-
-
-def chromium_executable() -> str:
-    """Debian's chromium; a failure (never a skip) when it is missing. Playwright's own browser download is not used."""
-    if os.access("/usr/bin/chromium", os.X_OK):
-        return "/usr/bin/chromium"
-    found = shutil.which("chromium")
-    if found is None:
-        pytest.fail(CHROMIUM_MISSING)
-    return found
-
-
-@pytest.fixture
-async def sessions(app: Litestar, integration_settings: Settings) -> AsyncIterator[Sessions]:
-    """Sessions on this test's database, migrated by the `app` fixture."""
-    engine = create_engine(integration_settings.effective_database_url)
-    try:
-        yield create_session_factory(engine)
-    finally:
-        await engine.dispose()
 
 
 def usage(tenant: Tenant, started_at: datetime, **changes: Any) -> dict[str, Any]:
@@ -156,7 +128,6 @@ def png_size(data: bytes) -> tuple[int, int]:
 async def test_chromium_loads_the_page_and_finds_the_charts(
     app: Litestar, seeded: dict[str, Tenant], tmp_path: Path
 ) -> None:
-    executable = chromium_executable()
     # The page's default period, given explicitly so that the report below covers the same one.
     start = iso(page_range(None, None, now=datetime.now(UTC))[0])
     with serving(app) as url:
@@ -174,55 +145,51 @@ async def test_chromium_loads_the_page_and_finds_the_charts(
         # acme on 5 days, globex on 2, the hostile name on 1.
         assert len(expected_segments) == 8
 
-        async with async_playwright() as playwright:
-            browser = await playwright.chromium.launch(executable_path=executable, headless=True)
-            try:
-                page = await browser.new_page(viewport={"width": 1280, "height": 900})
-                requested: list[str] = []
-                problems: list[str] = []
-                page.on("request", lambda request: requested.append(request.url))
-                page.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
-                page.on("dialog", lambda dialog: problems.append(f"dialog: {dialog.message}"))
-                await page.set_extra_http_headers(ADMIN)
+        async with chromium() as browser:
+            page = await browser.new_page(viewport={"width": 1280, "height": 900})
+            requested: list[str] = []
+            problems: list[str] = []
+            page.on("request", lambda request: requested.append(request.url))
+            page.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
+            page.on("dialog", lambda dialog: problems.append(f"dialog: {dialog.message}"))
+            await page.set_extra_http_headers(ADMIN)
 
-                response = await page.goto(f"{url}/admin/billing?start={start}", wait_until="load")
-                assert response is not None and response.status == 200
-                assert response.headers["content-type"].startswith("text/html")
-                assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+            response = await page.goto(f"{url}/admin/billing?start={start}", wait_until="load")
+            assert response is not None and response.status == 200
+            assert response.headers["content-type"].startswith("text/html")
+            assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
 
-                for chart in CHARTS:
-                    located = page.locator(f'[data-chart="{chart}"]')
-                    assert await located.count() == 1, chart
-                    assert await located.is_visible(), chart
-                    box = await located.bounding_box()
-                    assert box is not None and box["width"] > 300 and box["height"] > 50, (chart, box)
+            for chart in CHARTS:
+                located = page.locator(f'[data-chart="{chart}"]')
+                assert await located.count() == 1, chart
+                assert await located.is_visible(), chart
+                box = await located.bounding_box()
+                assert box is not None and box["width"] > 300 and box["height"] > 50, (chart, box)
 
-                segments = await page.locator('svg[data-chart="cost-per-day"] rect.segment').evaluate_all(
-                    "rects => rects.map(r => [r.dataset.tenant, r.dataset.day, r.dataset.cost,"
-                    " r.getBoundingClientRect().height])"
-                )
-                assert {(t, d, c) for t, d, c, _ in segments} == expected_segments
-                assert len(segments) == len(expected_segments)
-                assert all(height > 0 for *_, height in segments)
+            segments = await page.locator('svg[data-chart="cost-per-day"] rect.segment').evaluate_all(
+                "rects => rects.map(r => [r.dataset.tenant, r.dataset.day, r.dataset.cost,"
+                " r.getBoundingClientRect().height])"
+            )
+            assert {(t, d, c) for t, d, c, _ in segments} == expected_segments
+            assert len(segments) == len(expected_segments)
+            assert all(height > 0 for *_, height in segments)
 
-                legend = await page.locator('[data-legend="cost-per-day"] li').all_inner_texts()
-                assert sorted(text.strip() for text in legend) == sorted(["acme", "globex", EVIL])
-                hit_rates = await page.locator('[data-chart="cache-hit-rate"] li.bar').count()
-                assert hit_rates == 3
-                endpoints = await page.locator('[data-chart="top-endpoints"] li.bar').all_text_contents()
-                assert any("support-bot · acme" in text for text in endpoints), endpoints
-                total = await page.locator('[data-total="cost"] .value').inner_text()
-                assert total == f"${Decimal(by_tenant['totals']['cost_total']):,f}"
+            legend = await page.locator('[data-legend="cost-per-day"] li').all_inner_texts()
+            assert sorted(text.strip() for text in legend) == sorted(["acme", "globex", EVIL])
+            hit_rates = await page.locator('[data-chart="cache-hit-rate"] li.bar').count()
+            assert hit_rates == 3
+            endpoints = await page.locator('[data-chart="top-endpoints"] li.bar').all_text_contents()
+            assert any("support-bot · acme" in text for text in endpoints), endpoints
+            total = await page.locator('[data-total="cost"] .value').inner_text()
+            assert total == f"${Decimal(by_tenant['totals']['cost_total']):,f}"
 
-                screenshot = tmp_path / "billing-page.png"
-                await page.screenshot(path=screenshot, full_page=True)
-                for width in (1280, 390):
-                    await page.set_viewport_size({"width": width, "height": 900})
-                    await assert_chart_labels_whole(page, width)
-                    overflow = await page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
-                    assert overflow <= 0, (width, overflow)
-            finally:
-                await browser.close()
+            screenshot = tmp_path / "billing-page.png"
+            await page.screenshot(path=screenshot, full_page=True)
+            for width in (1280, 390):
+                await page.set_viewport_size({"width": width, "height": 900})
+                await assert_chart_labels_whole(page, width)
+                overflow = await page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+                assert overflow <= 0, (width, overflow)
 
     assert problems == []
     assert requested, "the page made no request at all"

@@ -10,11 +10,10 @@ embedded demo engine: the same through the pages, with a real completion billed,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -22,15 +21,13 @@ from typing import Any
 
 import httpx
 import pytest
-from _support.console import BrowserProblems, chromium_executable, csrf_token, page_token, review, sign_in
+from _support.console import BrowserProblems, chromium, csrf_token, other_browser, page_token, review, sign_in
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
-from playwright.async_api import async_playwright
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loraplex.engine.serve import FleetRecord
 from loraplex.platform.console.controllers.admin_tenants import LIMITS
-from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.dependencies import resources_of
 from loraplex.platform.domain.adapters.models import Adapter
 from loraplex.platform.domain.base_models.models import BaseModel
@@ -38,7 +35,6 @@ from loraplex.platform.domain.fleet.registry import EmptyFleet
 from loraplex.platform.domain.tenants.models import Tenant
 from loraplex.platform.domain.tenants.schemas import LIMIT_FIELDS
 from loraplex.platform.domain.usage.repository import UsageRepository
-from loraplex.platform.settings import Settings
 
 from .conftest import ADMIN_TOKEN
 from .test_billing_page import assert_chart_labels_whole, usage
@@ -57,26 +53,6 @@ Sessions = async_sessionmaker[AsyncSession]
 @pytest.fixture(autouse=True)
 def _no_redirects(client: AsyncTestClient[Litestar]) -> None:
     client.follow_redirects = False
-
-
-@pytest.fixture
-async def sessions(app: Litestar, integration_settings: Settings) -> AsyncIterator[Sessions]:
-    engine = create_engine(integration_settings.effective_database_url)
-    try:
-        yield create_session_factory(engine)
-    finally:
-        await engine.dispose()
-
-
-@contextlib.contextmanager
-def browser(client: AsyncTestClient[Litestar]) -> Iterator[AsyncTestClient[Litestar]]:
-    """Another browser on the same app: its own cookie jar while the block runs (one test client per app)."""
-    saved = client.cookies
-    client.cookies = httpx.Cookies()
-    try:
-        yield client
-    finally:
-        client.cookies = saved
 
 
 async def post_form(client: AsyncTestClient[Litestar], path: str, form_page: str, fields: dict[str, str]) -> Any:
@@ -116,7 +92,7 @@ async def test_an_admin_creates_suspends_resumes_and_sets_the_terms_of_a_tenant(
     tenant_api = {"Authorization": f"Bearer {key}"}
     assert (await client.get("/v1/models", headers=tenant_api)).status_code == 200
 
-    with browser(client) as tenant_browser:
+    with other_browser(client) as tenant_browser:
         assert (await sign_in(tenant_browser, key)).status_code == 303
         assert (await tenant_browser.get("/console/keys")).status_code == 200
         tenant_cookies = tenant_browser.cookies
@@ -126,7 +102,7 @@ async def test_an_admin_creates_suspends_resumes_and_sets_the_terms_of_a_tenant(
     assert response.status_code == 303 and response.headers["location"] == page_path
     assert (await client.get(f"/admin/tenants/{tenant_id}", headers=ADMIN)).json()["status"] == "suspended"
     assert (await client.get("/v1/models", headers=tenant_api)).status_code == 401
-    with browser(client) as tenant_browser:
+    with other_browser(client) as tenant_browser:
         tenant_browser.cookies = tenant_cookies
         ended = await tenant_browser.get("/console/keys")
         assert ended.status_code == 303 and ended.headers["location"].startswith("/console")
@@ -411,69 +387,65 @@ async def test_chromium_admin_creates_a_tenant_prices_the_model_and_sees_the_bil
     demo_platform: tuple[Litestar, str],
 ) -> None:
     _, url = demo_platform
-    async with async_playwright() as playwright:
-        chromium = await playwright.chromium.launch(executable_path=chromium_executable(), headless=True)
-        try:
-            page = await chromium.new_page(viewport={"width": 1280, "height": 900})
-            problems = BrowserProblems(page, url)
-            await page.goto(f"{url}/console")
-            await page.fill("#key", ADMIN_TOKEN)
-            await page.click("button[type=submit]")
-            await page.wait_for_url(f"{url}/console/admin/tenants")
+    async with chromium() as browser:
+        page = await browser.new_page(viewport={"width": 1280, "height": 900})
+        problems = BrowserProblems(page, url)
+        await page.goto(f"{url}/console")
+        await page.fill("#key", ADMIN_TOKEN)
+        await page.click("button[type=submit]")
+        await page.wait_for_url(f"{url}/console/admin/tenants")
 
-            await page.fill("#tenant-name", TENANT)
-            await page.click("button:has-text('Create tenant')")
-            await page.wait_for_selector("[data-created-tenant]")
-            await review(page, "admin-tenants")
-            await page.click(f"[data-table=tenants] a:text-is('{TENANT}')")
-            await page.click("button:has-text('Create an API key')")
-            key = (await page.inner_text("#new-key")).strip()
-            await review(page, "admin-tenant")
+        await page.fill("#tenant-name", TENANT)
+        await page.click("button:has-text('Create tenant')")
+        await page.wait_for_selector("[data-created-tenant]")
+        await review(page, "admin-tenants")
+        await page.click(f"[data-table=tenants] a:text-is('{TENANT}')")
+        await page.click("button:has-text('Create an API key')")
+        key = (await page.inner_text("#new-key")).strip()
+        await review(page, "admin-tenant")
 
-            await page.goto(f"{url}/console/admin/models")
-            assert await page.locator(f'[data-model="{DEMO}"]').count() == 1
-            await page.select_option("#price-model", DEMO)
-            await page.fill("#price-input", "3")
-            await page.fill("#price-output", "15")
-            await page.click("button:has-text('Add price version')")
-            await page.wait_for_selector("[data-status=current]")
-            await review(page, "admin-models")
+        await page.goto(f"{url}/console/admin/models")
+        assert await page.locator(f'[data-model="{DEMO}"]').count() == 1
+        await page.select_option("#price-model", DEMO)
+        await page.fill("#price-input", "3")
+        await page.fill("#price-output", "15")
+        await page.click("button:has-text('Add price version')")
+        await page.wait_for_selector("[data-status=current]")
+        await review(page, "admin-models")
 
-            # A request of the tenant's, after the price: billed at it.
-            async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}) as api:
-                answer = await api.post(
-                    "/v1/chat/completions",
-                    json={"model": DEMO, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4},
-                    timeout=120,
-                )
-                assert answer.status_code == 200, answer.text
-            since = f"{datetime.now(UTC) - timedelta(days=1):%Y-%m-%dT%H:%M:%SZ}"
-            async with httpx.AsyncClient(base_url=url, headers=ADMIN) as admin:
-                for _ in range(100):  # usage rows are written by a background drainer
-                    report = (await admin.get("/admin/billing/report", params={"start": since})).json()
-                    if report["totals"]["requests"] == 1:
-                        break
-                    await asyncio.sleep(0.1)
-            expected = Decimal(report["totals"]["cost_total"])
-            assert expected > 0
-            await page.goto(f"{url}/console/admin/billing")
-            assert await page.inner_text('[data-total="cost"] .value') == f"${expected:,f}"
-            label = page.locator('[data-chart="top-endpoints"] li.bar .label')
-            assert await label.all_inner_texts() == [f"{DEMO} (base) · {TENANT}"]
-            for width in (1280, 390):
-                await page.set_viewport_size({"width": width, "height": 900})
-                await assert_chart_labels_whole(page, width)
-            await page.set_viewport_size({"width": 1280, "height": 900})
-            await review(page, "admin-billing")
+        # A request of the tenant's, after the price: billed at it.
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}) as api:
+            answer = await api.post(
+                "/v1/chat/completions",
+                json={"model": DEMO, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4},
+                timeout=120,
+            )
+            assert answer.status_code == 200, answer.text
+        since = f"{datetime.now(UTC) - timedelta(days=1):%Y-%m-%dT%H:%M:%SZ}"
+        async with httpx.AsyncClient(base_url=url, headers=ADMIN) as admin:
+            for _ in range(100):  # usage rows are written by a background drainer
+                report = (await admin.get("/admin/billing/report", params={"start": since})).json()
+                if report["totals"]["requests"] == 1:
+                    break
+                await asyncio.sleep(0.1)
+        expected = Decimal(report["totals"]["cost_total"])
+        assert expected > 0
+        await page.goto(f"{url}/console/admin/billing")
+        assert await page.inner_text('[data-total="cost"] .value') == f"${expected:,f}"
+        label = page.locator('[data-chart="top-endpoints"] li.bar .label')
+        assert await label.all_inner_texts() == [f"{DEMO} (base) · {TENANT}"]
+        for width in (1280, 390):
+            await page.set_viewport_size({"width": width, "height": 900})
+            await assert_chart_labels_whole(page, width)
+        await page.set_viewport_size({"width": 1280, "height": 900})
+        await review(page, "admin-billing")
 
-            await page.goto(f"{url}/console/admin/fleet")
-            engine = page.locator("[data-engine]")
-            assert await engine.count() == 1
-            assert await engine.locator('[data-fact="base-model"]').inner_text() == DEMO
-            await review(page, "admin-fleet")
-            problems.check()
-        finally:
-            await chromium.close()
+        await page.goto(f"{url}/console/admin/fleet")
+        engine = page.locator("[data-engine]")
+        assert await engine.count() == 1
+        assert await engine.locator('[data-fact="base-model"]').inner_text() == DEMO
+        await review(page, "admin-fleet")
+        problems.check()
 
 
 async def test_csrf_field_is_on_every_admin_form(client: AsyncTestClient[Litestar]) -> None:

@@ -11,9 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from _support.console import BrowserProblems, chromium_executable, page_token, review, sign_in
+from _support.console import BrowserProblems, chromium, page_token, review, sign_in
 from litestar import Litestar
-from playwright.async_api import async_playwright
 from sqlalchemy import select
 
 from loraplex.platform.db.engine import create_engine, create_session_factory
@@ -133,50 +132,46 @@ async def test_the_page_lists_the_models_and_preselects_the_one_asked_for(
 async def test_chromium_chats_with_the_demo_model(demo_platform: tuple[Litestar, str], demo_settings: Settings) -> None:
     _, url = demo_platform
     tenant = await make_tenant(url, "playground-browser")
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=chromium_executable(), headless=True)
-        try:
-            page = await browser.new_page(viewport={"width": 1280, "height": 900})
-            problems = BrowserProblems(page, url)
-            await page.goto(f"{url}/console")
-            await page.fill("#key", tenant.key)
-            await page.click("button[type=submit]")
-            await page.wait_for_url(f"{url}/console/playground")
-            await page.select_option("#model", DEMO)
-            await page.fill("#system", SYSTEM_PROMPT)
+    async with chromium() as browser:
+        page = await browser.new_page(viewport={"width": 1280, "height": 900})
+        problems = BrowserProblems(page, url)
+        await page.goto(f"{url}/console")
+        await page.fill("#key", tenant.key)
+        await page.click("button[type=submit]")
+        await page.wait_for_url(f"{url}/console/playground")
+        await page.select_option("#model", DEMO)
+        await page.fill("#system", SYSTEM_PROMPT)
 
-            async def send(text: str) -> tuple[int, int, int]:
-                """Send `text`; wait for the reply to stream in and its usage line; the line's three counts."""
-                replies = page.locator(".turn.assistant")
-                count = await replies.count()
-                await page.fill("#message", text)
-                await page.click("#send")
-                reply = replies.nth(count)
-                await reply.locator(".text").filter(has_text=re.compile(r"\S")).wait_for(timeout=60_000)
-                usage = reply.locator(".usage")
-                await usage.wait_for(timeout=60_000)
-                found = USAGE_LINE.match(await usage.inner_text())
-                assert found is not None, await usage.inner_text()
-                assert await reply.locator(".error").count() == 0
-                prompt, cached, completion = (int(group.replace(",", "")) for group in found.groups())
-                return prompt, cached, completion
+        async def send(text: str) -> tuple[int, int, int]:
+            """Send `text`; wait for the reply to stream in and its usage line; the line's three counts."""
+            replies = page.locator(".turn.assistant")
+            count = await replies.count()
+            await page.fill("#message", text)
+            await page.click("#send")
+            reply = replies.nth(count)
+            await reply.locator(".text").filter(has_text=re.compile(r"\S")).wait_for(timeout=60_000)
+            usage = reply.locator(".usage")
+            await usage.wait_for(timeout=60_000)
+            found = USAGE_LINE.match(await usage.inner_text())
+            assert found is not None, await usage.inner_text()
+            assert await reply.locator(".error").count() == 0
+            prompt, cached, completion = (int(group.replace(",", "")) for group in found.groups())
+            return prompt, cached, completion
 
-            first = await send("Say hello to the new user.")
-            assert first[0] > 0 and first[2] > 0
-            assert await page.input_value("#message") == ""
-            # The same chat carries the conversation: the second prompt holds the first exchange.
-            follow_up = await send("And once more, please.")
-            assert follow_up[0] > first[0] + first[2]
-            await review(page, "playground")
+        first = await send("Say hello to the new user.")
+        assert first[0] > 0 and first[2] > 0
+        assert await page.input_value("#message") == ""
+        # The same chat carries the conversation: the second prompt holds the first exchange.
+        follow_up = await send("And once more, please.")
+        assert follow_up[0] > first[0] + first[2]
+        await review(page, "playground")
 
-            await page.click("#new-chat")
-            assert await page.locator(".turn").count() == 0
-            again = await send("Say hello to the new user.")
-            assert again[0] == first[0]  # a new chat: only the system prompt and this message
-            assert again[1] > 0  # its start was just computed for the first chat: the prefix cache has it
-            problems.check()
-        finally:
-            await browser.close()
+        await page.click("#new-chat")
+        assert await page.locator(".turn").count() == 0
+        again = await send("Say hello to the new user.")
+        assert again[0] == first[0]  # a new chat: only the system prompt and this message
+        assert again[1] > 0  # its start was just computed for the first chat: the prefix cache has it
+        problems.check()
 
     rows = await usage_rows(url, tenant)
     assert len(rows) == 3 and {row["model"] for row in rows} == {DEMO}

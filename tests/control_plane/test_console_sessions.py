@@ -3,16 +3,14 @@ sessions that end with sign-out, a revoked key, a suspended tenant or a changed 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
 import pytest
-from _support.console import csrf_token, page_token, sign_in
+from _support.console import csrf_token, other_browser, page_token, sign_in
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
@@ -37,18 +35,6 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 def _no_redirects(client: AsyncTestClient[Litestar]) -> None:
     """Redirects are what these tests look at (a browser follows them; the assertions read them)."""
     client.follow_redirects = False
-
-
-@contextlib.contextmanager
-def browser(client: AsyncTestClient[Litestar]) -> Iterator[AsyncTestClient[Litestar]]:
-    """Another browser on the same app: `client` with a cookie jar of its own while the block runs (one test client
-    per app: a second one would start the app's lifespan again on another event loop)."""
-    saved = client.cookies
-    client.cookies = httpx.Cookies()
-    try:
-        yield client
-    finally:
-        client.cookies = saved
 
 
 def set_cookie_headers(response: Any) -> list[str]:
@@ -155,7 +141,7 @@ async def test_signing_out_ends_the_session_for_the_old_cookie_too(
     assert response.status_code == 303 and response.headers["location"] == "/console"
     assert (await client.get("/console/keys")).status_code == 303
     # The cookie put back by hand (a copy of it, a stolen one) opens nothing either.
-    with browser(client) as other:
+    with other_browser(client) as other:
         other.cookies.set("lpx_console", old_cookie)
         response = await other.get("/console/keys")
         assert response.status_code == 303 and response.headers["location"] == "/console?next=%2Fconsole%2Fkeys"
@@ -173,7 +159,7 @@ async def test_revoking_the_key_or_suspending_the_tenant_ends_its_sessions(
 
     response = await client.post(f"/admin/tenants/{tenant['id']}/api-keys", json={}, headers=ADMIN)
     second = response.json()["key"]
-    with browser(client) as second_browser:
+    with other_browser(client) as second_browser:
         assert (await sign_in(second_browser, second)).status_code == 303
         assert (await second_browser.get("/console/keys")).status_code == 200
         response = await client.patch(f"/admin/tenants/{tenant['id']}", json={"status": "suspended"}, headers=ADMIN)
@@ -197,7 +183,7 @@ async def test_admins_sign_in_with_the_token_or_an_admin_key_and_tenants_cannot_
         async with sessions() as session:
             row, admin_key = await ApiKeyService(session, KeyHasher(SECRET_KEY.encode())).create_admin_key(name="ops")
             await session.commit()
-        with browser(client) as second_browser:
+        with other_browser(client) as second_browser:
             assert (await sign_in(second_browser, admin_key.full_key)).status_code == 303
             assert (await second_browser.get("/console/admin/fleet")).status_code == 200
             async with sessions() as session:
@@ -209,7 +195,7 @@ async def test_admins_sign_in_with_the_token_or_an_admin_key_and_tenants_cannot_
         await engine.dispose()
 
     _, key = await make_tenant("acme")
-    with browser(client) as second_browser:
+    with other_browser(client) as second_browser:
         assert (await sign_in(second_browser, key)).status_code == 303
         for page in ("tenants", "models", "billing", "fleet"):
             path = f"/console/admin/{page}"
@@ -246,7 +232,7 @@ async def test_keys_never_reach_the_logs(
         await sign_in(client, key)
         token = await page_token(client, "/console/keys")
         created = await client.post("/console/keys", data={"name": "ci", "csrf_token": token})
-        with browser(client) as other:
+        with other_browser(client) as other:
             await sign_in(other, key[:-1] + "x")
     assert created.status_code == 201
     logged = "\n".join(record.getMessage() for record in caplog.records)

@@ -7,25 +7,22 @@ from __future__ import annotations
 import html
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 import httpx
 import pytest
-from _support.console import BrowserProblems, chromium_executable, review, sign_in
+from _support.console import BrowserProblems, chromium, review, sign_in
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
-from playwright.async_api import async_playwright
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loraplex.platform.console.charts import MIN_VISIBLE_PERCENT, Series, bar_chart, percent, stacked_chart
-from loraplex.platform.db.engine import create_engine, create_session_factory
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.billing.service import BillingService
 from loraplex.platform.domain.usage.repository import UsageRepository
-from loraplex.platform.settings import Settings
 
 from .conftest import ADMIN_TOKEN, serving
 
@@ -65,15 +62,6 @@ def usage(tenant_id: str, started_at: datetime, **changes: Any) -> dict[str, Any
     }
     row.update(changes)
     return row
-
-
-@pytest.fixture
-async def sessions(app: Litestar, integration_settings: Settings) -> AsyncIterator[Sessions]:
-    engine = create_engine(integration_settings.effective_database_url)
-    try:
-        yield create_session_factory(engine)
-    finally:
-        await engine.dispose()
 
 
 async def seed(sessions: Sessions, rows: list[dict[str, Any]]) -> None:
@@ -261,27 +249,23 @@ async def test_chromium_shows_the_page_at_both_widths(app: Litestar, sessions: S
                     usage(tenant["id"], started, model=model, endpoint_id=endpoint, cached_tokens=1000 * days_ago)
                 )
         await seed(sessions, rows)
-        async with async_playwright() as playwright:
-            browser = await playwright.chromium.launch(executable_path=chromium_executable(), headless=True)
-            try:
-                page = await browser.new_page(viewport={"width": 1280, "height": 900})
-                problems = BrowserProblems(page, url)
-                await page.goto(f"{url}/console")
-                await page.fill("#key", key)
-                await page.click("button[type=submit]")
-                await page.wait_for_url(f"{url}/console/playground")
-                await page.goto(f"{url}/console/usage")
-                assert await page.locator("[data-chart]").count() == 4
-                assert await page.locator('[data-chart="requests"] .bars li').count() == 7
-                label = page.locator('[data-table="endpoints"] td', has_text=LONG_ENDPOINT)
-                assert await label.inner_text() == LONG_ENDPOINT  # whole, wrapped
-                await review(page, "usage")
-                async with page.expect_download() as download:
-                    await page.click("[data-csv]")
-                assert (await download.value).suggested_filename.startswith("usage-")
-                problems.check()
-            finally:
-                await browser.close()
+        async with chromium() as browser:
+            page = await browser.new_page(viewport={"width": 1280, "height": 900})
+            problems = BrowserProblems(page, url)
+            await page.goto(f"{url}/console")
+            await page.fill("#key", key)
+            await page.click("button[type=submit]")
+            await page.wait_for_url(f"{url}/console/playground")
+            await page.goto(f"{url}/console/usage")
+            assert await page.locator("[data-chart]").count() == 4
+            assert await page.locator('[data-chart="requests"] .bars li').count() == 7
+            label = page.locator('[data-table="endpoints"] td', has_text=LONG_ENDPOINT)
+            assert await label.inner_text() == LONG_ENDPOINT  # whole, wrapped
+            await review(page, "usage")
+            async with page.expect_download() as download:
+                await page.click("[data-csv]")
+            assert (await download.value).suggested_filename.startswith("usage-")
+            problems.check()
 
 
 # --- the chart view models ----------------------------------------------------------------------------------------
