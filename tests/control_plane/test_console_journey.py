@@ -35,6 +35,16 @@ async def test_a_tenants_first_visit(demo_platform: tuple[Litestar, str]) -> Non
         tenant = (await admin.post("/admin/tenants", json={"name": "journey"})).json()
         response = await admin.post(f"/admin/tenants/{tenant['id']}/api-keys", json={"name": "first"})
         key = response.json()["key"]
+        # Another tenant, with an endpoint this one must never reach.
+        other = (await admin.post("/admin/tenants", json={"name": "neighbour"})).json()
+        other_key = (await admin.post(f"/admin/tenants/{other['id']}/api-keys", json={})).json()["key"]
+        response = await admin.post(
+            "/v1/endpoints",
+            json={"name": "private", "base_model": DEMO_BASE, "adapter_id": None},
+            headers={"Authorization": f"Bearer {other_key}"},
+        )
+        assert response.status_code == 201, response.text
+        other_endpoint = response.json()
 
     async with chromium() as browser:
         context = await browser.new_context(viewport={"width": 1280, "height": 900})
@@ -119,6 +129,28 @@ async def test_a_tenants_first_visit(demo_platform: tuple[Litestar, str]) -> Non
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}) as api:
             rows = (await api.get("/v1/usage")).json()["data"]
         assert [row["model"] for row in rows] == ["shouty"]
+
+        # What this session may not do, tried from a second tab (its refusals are meant to show as errors):
+        # open an admin page, touch another tenant's endpoint, or post without the CSRF token.
+        probe = await context.new_page()
+        answer = await probe.goto(f"{url}/console/admin/tenants")
+        assert answer is not None
+        assert answer.status == 403
+        assert "This page is for admins." in await probe.content()
+        await probe.goto(f"{url}/console/keys")
+        statuses = await probe.evaluate(
+            """async (other) => {
+                const token = document.querySelector('meta[name="csrf-token"]').content;
+                const form = {"Content-Type": "application/x-www-form-urlencoded"};
+                const stolen = await fetch(`/console/endpoints/${other}/delete`,
+                    {method: "POST", headers: {...form, "X-CSRF-Token": token}, body: ""});
+                const forged = await fetch("/console/keys", {method: "POST", headers: form, body: "name=x"});
+                return [stolen.status, forged.status];
+            }""",
+            other_endpoint["id"],
+        )
+        assert statuses == [404, 403]
+        await probe.close()
 
         # Sign out; the old cookie, put back, opens nothing.
         await page.locator("header button", has_text="Sign out").click()
