@@ -353,7 +353,7 @@ def _draw(
     for _ in range(_MAX_DRAW_ROUNDS):
         weights = probs if floor is None else _keep_at_least(probs, x, floor)
         uniforms = _uniforms(pending, pending_list, md)
-        drawn = _inverse_cdf(weights, uniforms)
+        drawn = inverse_cdf(weights, uniforms)
         if nucleus_budget is None:
             token_ids[pending] = drawn
             return token_ids
@@ -402,7 +402,7 @@ def _uniforms(pending: torch.Tensor, pending_list: list[int] | None, md: Samplin
     return uniforms
 
 
-def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """[n] int64: for each row, the token whose cumulative-weight interval holds uniform * total.
 
     weights [n, vocab] are >= 0 with a positive entry per row; a token of zero weight is never returned. Sums run

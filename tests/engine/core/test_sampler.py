@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from loraplex.engine.core.sampler import Sampler, SamplerOutput, SamplingMetadata, _inverse_cdf
+from loraplex.engine.core.sampler import Sampler, SamplerOutput, SamplingMetadata, inverse_cdf
 from loraplex.engine.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -150,13 +150,13 @@ class TestInverseCdfEdges:
         weights[1, 130] = 1.0  # a single token, blocks of zeros before and after
         weights[2, [0, 127, 128, 255]] = torch.tensor([1e-30, 0.5, 0.5, 1e-30])
         weights[3] = torch.rand(300, generator=torch.Generator().manual_seed(0)) * (torch.arange(300) % 2)
-        drawn = _inverse_cdf(weights, torch.full((4,), uniform)).tolist()
+        drawn = inverse_cdf(weights, torch.full((4,), uniform)).tolist()
         for row, token in enumerate(drawn):
             assert weights[row, token] > 0, (row, token)
 
     def test_uniform_picks_the_interval(self) -> None:
         weights = torch.tensor([[0.0, 0.2, 0.0, 0.3, 0.5]])
-        picks = [int(_inverse_cdf(weights, torch.tensor([u]))[0]) for u in (0.0, 0.19, 0.21, 0.49, 0.51, 0.99)]
+        picks = [int(inverse_cdf(weights, torch.tensor([u]))[0]) for u in (0.0, 0.19, 0.21, 0.49, 0.51, 0.99)]
         assert picks == [1, 1, 3, 3, 4, 4]
 
 

@@ -1,0 +1,52 @@
+"""Prompt-lookup (n-gram) proposals: a row's candidate tokens come from its own prompt and output.
+
+Semantics, for one row with tokens t[0..L) (prompt then output) and at most k proposals:
+    for n from min(max_n, L - 1) down to min_n:
+        starts = [i for i in range(L - n) if t[i:i+n] == t[L-n:L]]   # earlier occurrences of the last n tokens
+        if starts: return t[s+n : s+n+k] with s = max(starts)         # what followed the most recent one
+    return []
+The longest matching n wins (a longer context predicts better); among its occurrences the most recent, whose
+continuation is what the text was doing last (an edit copying a passage is further along there). The proposal may be
+shorter than k where the sequence ends sooner. Nothing here is a model call: it is cheap enough to run on every
+decoding row of every step, and the policy decides how many of its tokens are verified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from loraplex.engine.core.speculative_config import SpeculativeConfig
+
+
+def propose_ngram(token_ids: Sequence[int] | np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to `k` proposed tokens for the row (see the module's semantics); [] when no n-gram recurs."""
+    if k < 1 or min_n < 1 or max_n < min_n:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    length = tokens.shape[0]
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        # Windows of t[:L-1] start at 0..L-1-n, so each has a following token and the suffix itself is left out.
+        windows = sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return [int(token) for token in tokens[start : start + k]]
+    return []
+
+
+class NgramProposer:
+    """The n-gram method of a SpeculativeConfig."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"NgramProposer needs an ngram speculative config, not {config.method!r}")
+        self._min_n = config.prompt_lookup_min
+        self._max_n = config.prompt_lookup_max
+        self._max_k = config.num_speculative_tokens
+
+    def propose(self, token_ids: Sequence[int] | np.ndarray, k: int) -> list[int]:
+        """At most min(k, num_speculative_tokens) tokens for a row whose tokens so far are `token_ids`."""
+        return propose_ngram(token_ids, min_n=self._min_n, max_n=self._max_n, k=min(k, self._max_k))

@@ -1,0 +1,99 @@
+"""How many speculative tokens each row verifies in a step: from its measured acceptance and the step's room.
+
+The economics. Verifying k proposed tokens of a row makes the step process k more tokens for that row; with a
+per-token acceptance rate a (the chance a proposal is accepted given the ones before it were), the j-th proposed
+token is kept with probability a**j. Below the batch size at which a step turns compute-bound (the knee: a decode
+step reads all the weights whatever its size, so a few more tokens cost almost nothing), extra tokens are nearly
+free and any proposal likely to be kept pays. Past the knee every token costs its share of the step, and a token
+kept with probability a**j < 1 costs more than it brings: speculation there only slows the batch. So the policy
+spends the step's free room (tokens left before the knee and within the token budget) on the proposals most likely
+to be kept, and nothing once the room is gone; when the batch shrinks, the room and the speculation come back.
+
+Semantics (`plan_speculative_lengths`), with gains g[i][j] = rate[i] ** j for j = 1..max_k[i]:
+    chosen = the `free_tokens` largest gains that are >= min_gain (ties: lower row, then lower j first)
+    k[i] = number of chosen gains of row i
+Gains fall with j in each row, so the chosen ones are a prefix of each row: k[i] proposals, the first k[i].
+
+`AcceptanceEstimate` is each row's online estimate of its rate: counts of kept and refused proposals under a
+geometric model (a step that proposed k and kept m < k saw m successes and one failure; m = k, k successes),
+forgotten at a constant rate so the estimate follows the text, and pulled back to a prior while the row does not
+speculate, so a row switched off is tried again later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_MIN_GAIN = 0.3  # a proposal kept less often than this is not worth its verification even in free room
+PRIOR_RATE = 0.5  # what a row is assumed to accept before it has speculated
+PRIOR_WEIGHT = 2.0  # how many proposals' worth of evidence the prior counts for
+FORGET = 0.9  # each step's evidence counts this much less in the next step's estimate
+
+
+@dataclass(slots=True)
+class AcceptanceEstimate:
+    """A row's per-token acceptance rate, learned from its own verified steps. One per request."""
+
+    kept: float = 0.0  # forgotten counts of accepted proposals
+    refused: float = 0.0  # forgotten counts of rejections (at most one per step)
+
+    @property
+    def rate(self) -> float:
+        """The estimated chance that a proposal is kept, in [0, 1]."""
+        prior_kept = PRIOR_RATE * PRIOR_WEIGHT
+        return (self.kept + prior_kept) / (self.kept + self.refused + PRIOR_WEIGHT)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Book a verified step: `proposed` tokens were checked and the first `accepted` of them kept."""
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"accepted ({accepted}) must be between 0 and proposed ({proposed})")
+        self.kept = self.kept * FORGET + accepted
+        self.refused = self.refused * FORGET + (1 if accepted < proposed else 0)
+
+    def rest(self) -> None:
+        """A step in which the row did not speculate: its evidence fades toward the prior."""
+        self.kept *= FORGET
+        self.refused *= FORGET
+
+
+def free_tokens(*, scheduled_tokens: int, token_budget: int, knee_tokens: int) -> int:
+    """The step's room for speculative tokens: what is left of the token budget and of the tokens below the knee
+    (the step size past which each token costs its share) once the step's own tokens are scheduled."""
+    return max(0, min(token_budget, knee_tokens) - scheduled_tokens)
+
+
+def plan_speculative_lengths(
+    rates: Sequence[float] | np.ndarray,
+    max_k: Sequence[int] | np.ndarray,
+    *,
+    free_tokens: int,
+    min_gain: float = DEFAULT_MIN_GAIN,
+) -> list[int]:
+    """Each row's number of speculative tokens this step (see the module's semantics). `max_k[i]` caps row i: the
+    configured maximum, its proposal's length, and the tokens it may still produce."""
+    if not 0 < min_gain <= 1:
+        raise ValueError("min_gain must be in (0, 1]")
+    rate = np.clip(np.asarray(rates, dtype=np.float64), 0.0, 1.0)
+    cap = np.asarray(max_k, dtype=np.int64)
+    if rate.shape != cap.shape or rate.ndim != 1:
+        raise ValueError("rates and max_k need one entry per row")
+    num_rows = rate.shape[0]
+    if num_rows == 0 or free_tokens <= 0:
+        return [0] * num_rows
+    width = int(cap.max(initial=0))
+    if width <= 0:
+        return [0] * num_rows
+    depth = np.arange(1, width + 1)
+    gains = rate[:, None] ** depth[None, :]  # [rows, width]
+    gains[depth[None, :] > cap[:, None]] = -1.0  # beyond a row's cap: never chosen
+    flat = gains.ravel()
+    # Stable order by falling gain: ties go to the lower row and depth (flat index order), so the result is a
+    # prefix of each row even where a row's gains tie (rate 1: every depth gains 1).
+    order = np.argsort(-flat, kind="stable")
+    chosen = order[: min(free_tokens, order.shape[0])]
+    chosen = chosen[flat[chosen] >= min_gain]
+    counts = np.bincount(chosen // width, minlength=num_rows)
+    return [int(c) for c in counts]

@@ -1,0 +1,93 @@
+"""The load-adaptive policy: speculation fills the step's free room with the proposals most likely to be kept, and
+stops when the room is gone; each row's acceptance estimate follows what its verifications saw."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from loraplex.engine.core.speculation_policy import (
+    PRIOR_RATE,
+    AcceptanceEstimate,
+    free_tokens,
+    plan_speculative_lengths,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def reference(rates: list[float], max_k: list[int], free: int, min_gain: float) -> list[int]:
+    """The module docstring's semantics, as a loop."""
+    gains = [(-(rate**j), i, j) for i, rate in enumerate(rates) for j in range(1, max_k[i] + 1)]
+    chosen = [g for g in sorted(gains)[: max(free, 0)] if -g[0] >= min_gain]
+    return [sum(1 for _, i, _ in chosen if i == row) for row in range(len(rates))]
+
+
+def test_a_lone_row_with_room_speculates_as_far_as_it_is_likely_kept() -> None:
+    assert plan_speculative_lengths([0.8], [4], free_tokens=100) == [4]  # 0.8**4 = 0.41 >= 0.3
+    assert plan_speculative_lengths([0.6], [4], free_tokens=100) == [2]  # 0.6**2 = 0.36, 0.6**3 = 0.22
+    assert plan_speculative_lengths([0.2], [4], free_tokens=100) == [0]  # not worth its verification
+
+
+def test_a_compute_bound_step_speculates_nothing() -> None:
+    rates, caps = [0.9] * 64, [4] * 64
+    assert plan_speculative_lengths(rates, caps, free_tokens=0) == [0] * 64
+    # 64 decoding rows past a knee of 48 tokens: no room at all.
+    room = free_tokens(scheduled_tokens=64, token_budget=4096, knee_tokens=48)
+    assert room == 0
+    assert plan_speculative_lengths(rates, caps, free_tokens=room) == [0] * 64
+
+
+def test_little_room_goes_to_the_rows_most_likely_to_keep_it() -> None:
+    counts = plan_speculative_lengths([0.9, 0.5, 0.95], [4, 4, 4], free_tokens=5)
+    assert counts == [1, 0, 4]  # gains .95 .9025 .9 .857 .8145 beat .81 and .5
+    assert sum(counts) == 5
+
+
+def test_caps_hold_and_room_is_what_the_budget_and_the_knee_leave() -> None:
+    assert plan_speculative_lengths([1.0, 1.0], [1, 3], free_tokens=100) == [1, 3]
+    assert free_tokens(scheduled_tokens=10, token_budget=4096, knee_tokens=32) == 22
+    assert free_tokens(scheduled_tokens=10, token_budget=16, knee_tokens=32) == 6
+    assert free_tokens(scheduled_tokens=40, token_budget=4096, knee_tokens=32) == 0
+
+
+def test_matches_the_reference_on_a_grid() -> None:
+    rates = [0.0, 0.3, 0.55, 0.55, 0.8, 1.0]
+    for caps in itertools.product([0, 2, 4], repeat=3):
+        for free in (0, 1, 3, 7, 100):
+            for min_gain in (0.1, 0.3, 0.9):
+                rows = rates[: len(caps)]
+                assert plan_speculative_lengths(rows, list(caps), free_tokens=free, min_gain=min_gain) == reference(
+                    rows, list(caps), free, min_gain
+                ), (rows, caps, free, min_gain)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="one entry per row"):
+        plan_speculative_lengths([0.5, 0.5], [4], free_tokens=3)
+    with pytest.raises(ValueError, match="min_gain"):
+        plan_speculative_lengths([0.5], [4], free_tokens=3, min_gain=0)
+    assert plan_speculative_lengths([], [], free_tokens=3) == []
+
+
+def test_the_estimate_follows_what_verification_saw_and_rests_back_to_the_prior() -> None:
+    estimate = AcceptanceEstimate()
+    assert estimate.rate == PRIOR_RATE
+    for _ in range(30):
+        estimate.observe(proposed=4, accepted=4)
+    assert estimate.rate > 0.95
+    for _ in range(30):
+        estimate.observe(proposed=4, accepted=0)
+    assert estimate.rate < 0.25
+    low = estimate.rate
+    for _ in range(60):  # switched off: its evidence fades, so it is tried again one day
+        estimate.rest()
+    assert low < estimate.rate and abs(estimate.rate - PRIOR_RATE) < 0.05
+    # One in two proposals kept, stopping at the first refusal: the estimate settles near a half.
+    estimate = AcceptanceEstimate()
+    for _ in range(200):
+        estimate.observe(proposed=2, accepted=1)
+    assert 0.45 < estimate.rate < 0.55
+    with pytest.raises(ValueError, match="between 0 and proposed"):
+        estimate.observe(proposed=2, accepted=3)
