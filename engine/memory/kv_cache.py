@@ -88,6 +88,24 @@ class KVCacheManager:
         if needed:
             seq.blocks.block_ids.extend(self.pool.allocate(needed, PageKind.KV))
 
+    def shrink(self, seq: KVSequence, num_tokens: int) -> None:
+        """Give back the blocks past the sequence's first `num_tokens` tokens: a step that verified speculative
+        tokens grew the sequence for all of them, and the K/V of those it refused is garbage. The block holding the
+        boundary stays (its later slots are written again by the next step). Blocks offered to the prefix cache are
+        never among those given back: only computed tokens' full blocks are offered, and a refused token is never
+        counted computed."""
+        blocks = seq.blocks
+        keep = -(-num_tokens // self.block_size)
+        if keep < blocks.num_offered_blocks:
+            raise ValueError(
+                f"cannot shrink below the {blocks.num_offered_blocks} blocks offered to the prefix cache "
+                f"(asked to keep {num_tokens} tokens)"
+            )
+        if len(blocks.block_ids) > keep:
+            surplus = blocks.block_ids[keep:]
+            del blocks.block_ids[keep:]
+            self.pool.release(surplus)
+
     def cache_computed(self, seq: KVSequence) -> None:
         """After a step: offer the sequence's newly completed full blocks to the prefix cache."""
         if self.prefix_cache is not None:
