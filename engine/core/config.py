@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from loraplex.engine.core.speculative_config import SpeculativeConfig
 from loraplex.engine.model.quantization import QUANTIZATIONS, QuantizationName
 
 if TYPE_CHECKING:
@@ -55,6 +56,11 @@ class EngineConfig:
     # platform's own, so the engine reads the bucket the platform writes.
     s3_access_key_id: str | None = None
     s3_secret_access_key: str | None = field(default=None, repr=False)
+    # Speculative decoding (vLLM's --speculative-config; None: off). Each step fills at most the room below
+    # `speculative_knee_tokens` (the step size up to which a step's time barely grows) with the proposals most
+    # likely to be kept (speculation_policy.py), so a busy batch does not speculate at all.
+    speculative_config: SpeculativeConfig | None = None
+    speculative_knee_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPE_NAMES):
@@ -73,6 +79,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+        if self.speculative_knee_tokens < 1:
+            raise ValueError("speculative_knee_tokens must be at least 1")
+        if self.speculative_config is not None and self.speculative_config.method != "ngram":
+            raise ValueError("only the ngram speculative method is served so far (draft_model is not yet)")
         if self.max_num_partial_prefills < 1:
             raise ValueError("max_num_partial_prefills must be at least 1")
         if self.scheduling_policy not in ("fair", "fcfs"):

@@ -16,12 +16,14 @@ import torch
 from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.output_processor import OutputProcessor
 from loraplex.engine.core.outputs import RequestOutput
+from loraplex.engine.core.rejection_sampler import verify
 from loraplex.engine.core.request import Request, RequestStatus
 from loraplex.engine.core.request_memory import RequestMemory
 from loraplex.engine.core.runner import ModelRunner
-from loraplex.engine.core.sampler import Sampler, SamplingMetadata
+from loraplex.engine.core.sampler import Sampler, SamplingMetadata, TokenLogprobs
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.scheduler import KeyService, QueueStats, Scheduler, SchedulerConfig
+from loraplex.engine.core.speculator import Speculator
 from loraplex.engine.core.structured_output import CompiledGrammar, GrammarCompiler, GrammarState, fill_bitmasks
 from loraplex.engine.errors import ContextLengthExceeded, RequestError
 from loraplex.engine.lora.batch import LoraCompute
@@ -128,6 +130,9 @@ class EngineCore:
                 policy=config.scheduling_policy,
             ),
             RequestMemory(self.kv, self.adapters),
+            speculator=Speculator(config.speculative_config, knee_tokens=config.speculative_knee_tokens)
+            if config.speculative_config is not None
+            else None,
         )
         self.runner = ModelRunner(
             self.model,
@@ -337,9 +342,22 @@ class EngineCore:
         self.num_steps += 1
         self.num_batched_tokens += sched.num_batched_tokens
 
-        rows = prepared.sample_requests
-        if not rows:
-            return outputs
+        offsets = prepared.logits_offsets
+        plain = [i for i, spec in enumerate(prepared.spec_token_ids) if not spec]
+        if plain:
+            rows = [prepared.sample_requests[i] for i in plain]
+            row_logits = logits if len(plain) == len(offsets) - 1 else logits[[offsets[i] for i in plain]]
+            for request, token_ids in zip(rows, self._sample(rows, row_logits), strict=True):
+                outputs.append(self._emit(request, token_ids))
+        for i, spec in enumerate(prepared.spec_token_ids):
+            if spec:
+                request = prepared.sample_requests[i]
+                token_ids = self._verify(request, spec, logits[offsets[i] : offsets[i + 1]])
+                outputs.append(self._emit(request, token_ids, num_proposed=len(spec)))
+        return outputs
+
+    def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[list[tuple[int, TokenLogprobs | None]]]:
+        """One token (and its logprobs, when asked) for each row, by the sampler."""
         constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
         metadata = SamplingMetadata.build(
             [r.sampling_params for r in rows],
@@ -354,15 +372,52 @@ class EngineCore:
             else None,
         )
         sampled = self.sampler.sample(logits, metadata)
-        for i, request in enumerate(rows):
-            token_logprobs = sampled.logprobs[i] if sampled.logprobs is not None else None
-            status = self.outputs.process_token(request, sampled.token_ids[i], token_logprobs)
+        return [
+            [(sampled.token_ids[i], sampled.logprobs[i] if sampled.logprobs is not None else None)]
+            for i in range(len(rows))
+        ]
+
+    def _verify(
+        self, request: Request, proposal: list[int], logits: torch.Tensor
+    ) -> list[tuple[int, TokenLogprobs | None]]:
+        """The tokens a speculating row emits: its kept proposals, then one more. Its rows of `logits` [1 + k, vocab]
+        are the distributions after 0..k proposals; an eligible row (Speculator.eligible) is greedy on them."""
+        k = len(proposal)
+        target = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float32)[None]
+        verified = verify(
+            target,
+            torch.tensor([proposal], dtype=torch.int64, device=logits.device),
+            torch.tensor([k], dtype=torch.int64, device=logits.device),
+            accept_uniforms=torch.zeros(1, k, device=logits.device),
+            draw_uniforms=torch.zeros(1, device=logits.device),
+        )
+        num_accepted = int(verified.num_accepted[0])
+        return [(int(token), None) for token in verified.token_ids[0, : num_accepted + 1].tolist()]
+
+    def _emit(
+        self, request: Request, token_ids: list[tuple[int, TokenLogprobs | None]], *, num_proposed: int = 0
+    ) -> RequestOutput:
+        """Hand a row's new tokens to the output processor, in order, until one ends the request; book a speculating
+        row's kept proposals (their K/V were computed this step) and its outcome."""
+        status: RequestStatus | None = None
+        num_emitted = 0
+        for token_id, token_logprobs in token_ids:
+            num_emitted += 1
+            status = self.outputs.process_token(request, token_id, token_logprobs)
+            if status is not None:
+                break
+        if num_proposed:
+            num_accepted = len(token_ids) - 1
+            assert self.scheduler.speculator is not None  # only a speculator's rows propose
+            self.scheduler.speculator.verified(
+                request, proposed=num_proposed, accepted=num_accepted, emitted=num_emitted
+            )
             if status is None:
-                outputs.append(self.outputs.make_output(request))
-            else:
-                self.scheduler.finish(request, status)
-                outputs.append(self._finalize(request))
-        return outputs
+                self.scheduler.book_verified(request, num_accepted)
+        if status is None:
+            return self.outputs.make_output(request)
+        self.scheduler.finish(request, status)
+        return self._finalize(request)
 
     def _fail_requests_of(self, failed: list[AdapterEntry]) -> list[RequestOutput]:
         """Finish the waiting requests of adapters that failed to load, with the load's error."""

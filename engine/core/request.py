@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.engine.core.sampling_params import SamplingParams
+from loraplex.engine.core.speculation_policy import AcceptanceEstimate
 from loraplex.engine.core.structured_output import GrammarState
 from loraplex.engine.lora.manager import AdapterEntry
 from loraplex.engine.memory.sequence import SequenceBlocks
@@ -60,6 +61,7 @@ class Request:
     fairness_key: str = ""
     fairness_weight: float = 1.0
     priority: int = 0
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # its speculation's measured rate
 
     @property
     def is_prefilled(self) -> bool:

@@ -93,6 +93,10 @@ class RequestMemory:
         """After a step advanced the request's computed tokens: its newly full blocks go to the prefix cache."""
         self.kv.cache_computed(request)
 
+    def rollback(self, request: Request) -> None:
+        """Give back the blocks past the request's computed tokens (those of refused speculative tokens)."""
+        self.kv.shrink(request, request.num_computed_tokens)
+
     def release(self, request: Request, *, running: bool) -> None:
         """Give back a request's blocks, and unpin its adapter if it was `running` (preempted or finished)."""
         self.kv.release(request)

@@ -21,7 +21,11 @@ from loraplex.engine.model.llama import LlamaModel
 @dataclass(slots=True)
 class PreparedStep:
     batch: ForwardBatch
-    sample_requests: list[Request]  # row i of the logits belongs to sample_requests[i]
+    # The requests that sample this step. Request i owns logits rows [logits_offsets[i], logits_offsets[i + 1]): one
+    # row, or 1 + len(spec_token_ids[i]) when it verifies proposals (the distributions after 0, 1, ... of them).
+    sample_requests: list[Request]
+    spec_token_ids: list[list[int]]
+    logits_offsets: list[int]
 
 
 class ModelRunner:
@@ -59,7 +63,8 @@ class ModelRunner:
             request = s.request
             block_ids = request.blocks.block_ids
             block_tables[i, : len(block_ids)] = block_ids
-            input_ids.extend(request.tokens(int(starts[i]), int(seq_lens[i])))
+            input_ids.extend(request.tokens(int(starts[i]), int(seq_lens[i]) - len(s.spec_token_ids)))
+            input_ids.extend(s.spec_token_ids)
 
         # positions[t] = starts[seq] + (t - query_start_loc[seq]) for every token t, without a Python loop.
         seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
@@ -67,11 +72,20 @@ class ModelRunner:
         slot_block_ids = block_tables[seq_of_token, positions // self.block_size]
         slot_offsets = positions % self.block_size
 
-        sample_requests = [s.request for s in scheduled if s.completes_prompt]
+        sampling = [(i, s) for i, s in enumerate(scheduled) if s.completes_prompt]
+        sample_requests = [s.request for _, s in sampling]
+        spec_token_ids = [s.spec_token_ids for _, s in sampling]
+        # A row's last token, and before it one per proposal it verifies.
+        widths = [1 + len(spec) for spec in spec_token_ids]
+        logits_offsets = [0, *np.cumsum(widths, dtype=np.int64).tolist()]
         logits_indices = np.fromiter(
-            (query_start_loc[i + 1] - 1 for i, s in enumerate(scheduled) if s.completes_prompt),
+            (
+                int(query_start_loc[i + 1]) - width + j
+                for (i, _), width in zip(sampling, widths, strict=True)
+                for j in range(width)
+            ),
             dtype=np.int64,
-            count=len(sample_requests),
+            count=logits_offsets[-1],
         )
 
         def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -97,10 +111,12 @@ class ModelRunner:
         )
         segments = _lora_segments(scheduled, query_start_loc, self.device)
         batch.lora = LoraStep(self.lora, segments) if self.lora is not None and segments else None
-        return PreparedStep(batch=batch, sample_requests=sample_requests)
+        return PreparedStep(
+            batch=batch, sample_requests=sample_requests, spec_token_ids=spec_token_ids, logits_offsets=logits_offsets
+        )
 
     def execute(self, step: PreparedStep) -> torch.Tensor:
-        """float32 logits [len(step.sample_requests), vocab]."""
+        """float32 logits [step.logits_offsets[-1], vocab]: the sampling requests' rows, in order."""
         hidden = self.model.forward(step.batch, self.kv_caches)
         return self.model.compute_logits(hidden[step.batch.logits_indices])
 

@@ -28,6 +28,7 @@ from typing import Literal
 
 from loraplex.engine.core.request import Request, RequestStatus
 from loraplex.engine.core.request_memory import Refusal, RequestMemory
+from loraplex.engine.core.speculator import Speculator
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +76,15 @@ _PRUNE_KEYS_ABOVE = 4096
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # tokens the step computes for it, speculative ones included
+    # Proposed tokens the step verifies after the request's last token (the last num_spec of num_new_tokens).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes_prompt(self) -> bool:
         """After this step every known token has K/V, so the step samples the request's next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.num_computed_tokens + known == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -98,9 +102,10 @@ class Scheduler:
     """Decides each step and keeps the books after it. Writes the requests' scheduling fields (status, computed
     tokens, preemptions, cached tokens); meets device memory only through `RequestMemory`."""
 
-    def __init__(self, config: SchedulerConfig, memory: RequestMemory) -> None:
+    def __init__(self, config: SchedulerConfig, memory: RequestMemory, speculator: Speculator | None = None) -> None:
         self.config = config
         self.memory = memory
+        self.speculator = speculator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._running_adapters: dict[str, int] = {}  # digest -> running requests with it
@@ -217,7 +222,29 @@ class Scheduler:
         if deferred and budget > 0 and len(out.preempted) == num_urgent_preemptions:
             budget = self._admit(out, budget)  # the held keys' turn, with what is left: the step stays full
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        if self.speculator is not None:
+            self._speculate(out, self.speculator)
         return out
+
+    def _speculate(self, out: SchedulerOutput, speculator: Speculator) -> None:
+        """Give decoding rows the proposals the speculator picks for the step's free room, where their KV can grow
+        by that much without preempting anyone (speculation never costs another request its place)."""
+        rows = [
+            s for s in out.scheduled if s.num_new_tokens == 1 and s.completes_prompt and speculator.eligible(s.request)
+        ]
+        if not rows:
+            return
+        plans = speculator.plan(
+            [s.request for s in rows],
+            scheduled_tokens=out.num_batched_tokens,
+            token_budget=self.config.max_num_batched_tokens,
+        )
+        for scheduled, proposal in zip(rows, plans, strict=True):
+            if proposal and self.memory.can_grow(scheduled.request, 1 + len(proposal)):
+                self.memory.grow(scheduled.request, 1 + len(proposal))
+                scheduled.spec_token_ids = proposal
+                scheduled.num_new_tokens += len(proposal)
+                out.num_batched_tokens += len(proposal)
 
     def _contenders(self) -> dict[str, tuple[int, float]]:
         """The two most urgent keys among the waiting requests that could start, with their urgency."""
@@ -342,8 +369,16 @@ class Scheduler:
         """After the step ran: each scheduled request's new tokens have K/V, and its newly full blocks go to the
         prefix cache."""
         for scheduled in out.scheduled:
-            scheduled.request.num_computed_tokens += scheduled.num_new_tokens
+            # Speculative tokens are booked once verified (book_verified): a refused one's K/V is garbage.
+            scheduled.request.num_computed_tokens += scheduled.num_new_tokens - len(scheduled.spec_token_ids)
             self.memory.computed(scheduled.request)
+
+    def book_verified(self, request: Request, num_accepted: int) -> None:
+        """After verification: the kept proposals' K/V are the request's (its output now holds those tokens); the
+        blocks past them go back to the pool."""
+        request.num_computed_tokens += num_accepted
+        self.memory.computed(request)
+        self.memory.rollback(request)
 
     def _stop_running(self, request: Request) -> None:
         """A request leaves the running list (preempted or finished): its blocks go back, its adapter is unpinned."""

@@ -13,6 +13,7 @@ from loraplex.engine.core.config import DTypeName, EngineConfig
 from loraplex.engine.core.engine_core import EngineCore
 from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.core.sampling_params import SamplingParams
+from loraplex.engine.core.speculative_config import SpeculativeConfig
 from loraplex.engine.lora.ref import AdapterRef, LoRARequest
 from loraplex.engine.model.quantization import QuantizationName
 from loraplex.engine.model.tokenizer import Tokenizer
@@ -59,6 +60,9 @@ class LLM:
     ) -> None:
         if "gpu_memory_utilization" in options:  # vLLM's name for the same budget
             options["kv_budget"] = float(options.pop("gpu_memory_utilization"))
+        speculative = options.get("speculative_config")
+        if isinstance(speculative, str | dict):  # vLLM's shape: a dict (or its JSON)
+            options["speculative_config"] = SpeculativeConfig.parse(speculative)
         self.engine = EngineCore(EngineConfig(model=Path(model), dtype=dtype, quantization=quantization, **options))
         self._ids = itertools.count()
 
