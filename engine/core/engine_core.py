@@ -5,6 +5,7 @@ Not thread-safe: one thread drives it (LLM does so directly, AsyncEngine from it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from loraplex.engine.core.runner import ModelRunner
 from loraplex.engine.core.sampler import Sampler, SamplingMetadata, TokenLogprobs
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.scheduler import KeyService, QueueStats, Scheduler, SchedulerConfig
-from loraplex.engine.core.speculator import Speculator
+from loraplex.engine.core.speculator import SpeculationCounts, Speculator
 from loraplex.engine.core.structured_output import CompiledGrammar, GrammarCompiler, GrammarState, fill_bitmasks
 from loraplex.engine.errors import ContextLengthExceeded, RequestError
 from loraplex.engine.lora.batch import LoraCompute
@@ -68,6 +69,8 @@ class EngineState:
     num_batched_tokens: int = 0  # tokens computed by every step since start (the rate of work)
     queues: tuple[QueueStats, ...] = ()  # waiting and running per (fairness key, priority)
     keys: tuple[KeyService, ...] = ()  # each fairness key's VTC counter, tokens served, preemptions
+    # Speculation's totals per adapter name ("" the base model): (adapter, counts); empty when it is off.
+    speculation: tuple[tuple[str, SpeculationCounts], ...] = ()
 
 
 class EngineCore:
@@ -453,6 +456,11 @@ class EngineCore:
             num_batched_tokens=self.num_batched_tokens,
             queues=tuple(self.scheduler.queue_stats()),
             keys=tuple(self.scheduler.key_service()),
+            speculation=tuple(
+                (name, dataclasses.replace(counts)) for name, counts in speculator.stats.by_adapter.items()
+            )
+            if (speculator := self.scheduler.speculator) is not None
+            else (),
         )
 
     def reset_prefix_cache(self) -> int:

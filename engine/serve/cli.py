@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from loraplex.engine.core.config import parse_memory_budget
+from loraplex.engine.core.speculative_config import SpeculativeConfig
 from loraplex.engine.serve.tool_calls import TOOL_CALL_PARSERS
 
 
@@ -85,6 +86,21 @@ def engine() -> None:
     default=1_048_576,
     show_default=True,
     help="Prompt tokens the queue holds before new requests are refused with 503 overloaded (0: unbounded).",
+)
+@click.option(
+    "--speculative-config",
+    default=None,
+    metavar="JSON",
+    help='Speculative decoding, in vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
+    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'. Each step speculates only in the room a busy batch '
+    "leaves; greedy requests speculate so far.",
+)
+@click.option(
+    "--speculative-knee-tokens",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Step size (tokens) up to which a step barely slows down: speculation fills at most the room below it.",
 )
 @click.option(
     "--enable-prefix-caching/--no-enable-prefix-caching",
@@ -183,6 +199,8 @@ def engine_serve(
     scheduling_policy: str,
     max_waiting_requests: int,
     max_waiting_tokens: int,
+    speculative_config: str | None,
+    speculative_knee_tokens: int,
     enable_prefix_caching: bool,
     served_model_name: str | None,
     seed: int,
@@ -266,6 +284,10 @@ def engine_serve(
             option = next((o for f, o in field_options.items() if str(exc).startswith(f)), "--base-model-name")
             raise click.BadParameter(str(exc), param_hint=option) from None
     try:
+        speculation = None if speculative_config is None else SpeculativeConfig.parse(speculative_config)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--speculative-config") from None
+    try:
         config = EngineConfig(
             model=model_path,
             dtype=dtype,  # type: ignore[arg-type]  # click.Choice checked it
@@ -279,6 +301,8 @@ def engine_serve(
             scheduling_policy=scheduling_policy,  # type: ignore[arg-type]  # click.Choice checked it
             max_waiting_requests=max_waiting_requests or None,
             max_waiting_tokens=max_waiting_tokens or None,
+            speculative_config=speculation,
+            speculative_knee_tokens=speculative_knee_tokens,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
             num_threads=num_threads,

@@ -79,6 +79,40 @@ class _StateCollector(Collector):
             f"{_PREFIX}_num_tokens_waiting", "Tokens the waiting requests have to compute.", state.num_waiting_tokens
         )
         yield from self._fairness(state)
+        yield from self._speculation(state)
+
+    def _speculation(self, state: EngineState) -> Iterable[Metric]:
+        """Speculative decoding per adapter ("" the base model): proposed, kept and emitted tokens, the acceptance
+        rate (kept / proposed) and the mean accepted length (kept per verifying row-step)."""
+        if not state.speculation:
+            return
+        labels = ["lora_name"]
+        proposed = CounterMetricFamily(
+            f"{_PREFIX}_spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.", labels=labels
+        )
+        accepted = CounterMetricFamily(
+            f"{_PREFIX}_spec_decode_num_accepted_tokens", "Proposed tokens kept by verification.", labels=labels
+        )
+        emitted = CounterMetricFamily(
+            f"{_PREFIX}_spec_decode_num_emitted_tokens",
+            "Tokens emitted by row-steps that verified proposals (kept + one each).",
+            labels=labels,
+        )
+        rate = GaugeMetricFamily(
+            f"{_PREFIX}_spec_decode_acceptance_rate", "Kept / proposed speculative tokens since start.", labels=labels
+        )
+        length = GaugeMetricFamily(
+            f"{_PREFIX}_spec_decode_mean_accepted_length",
+            "Proposed tokens kept per row-step that verified proposals, since start.",
+            labels=labels,
+        )
+        for name, counts in state.speculation:
+            proposed.add_metric([name], counts.num_proposed)
+            accepted.add_metric([name], counts.num_accepted)
+            emitted.add_metric([name], counts.num_emitted)
+            rate.add_metric([name], counts.num_accepted / counts.num_proposed if counts.num_proposed else 0.0)
+            length.add_metric([name], counts.num_accepted / counts.num_steps if counts.num_steps else 0.0)
+        yield from (proposed, accepted, emitted, rate, length)
 
     def _fairness(self, state: EngineState) -> Iterable[Metric]:
         """Fair share: queues per fairness key and priority, each key's VTC books, refusals of a full queue."""
