@@ -56,11 +56,11 @@ class EngineConfig:
     # platform's own, so the engine reads the bucket the platform writes.
     s3_access_key_id: str | None = None
     s3_secret_access_key: str | None = field(default=None, repr=False)
-    # Speculative decoding (vLLM's --speculative-config; None: off). Each step fills at most the room below
-    # `speculative_knee_tokens` (the step size up to which a step's time barely grows) with the proposals most
-    # likely to be kept (speculation_policy.py), so a busy batch does not speculate at all.
+    # Speculative decoding (vLLM's --speculative-config; None: off). A step grows to at most
+    # `speculative_knee_tokens` tokens with proposals, and only with those likely enough to be kept to pay for their
+    # tokens at the measured step cost (speculation_policy.py), so a busy batch does not speculate at all.
     speculative_config: SpeculativeConfig | None = None
-    speculative_knee_tokens: int = 32
+    speculative_knee_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPE_NAMES):

@@ -17,7 +17,7 @@ import torch
 from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.output_processor import OutputProcessor
 from loraplex.engine.core.outputs import RequestOutput
-from loraplex.engine.core.rejection_sampler import verify
+from loraplex.engine.core.rejection_sampler import greedy_verified
 from loraplex.engine.core.request import Request, RequestStatus
 from loraplex.engine.core.request_memory import RequestMemory
 from loraplex.engine.core.runner import ModelRunner
@@ -332,6 +332,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; outputs of every request that got a new token or finished."""
+        started = time.perf_counter()
         outputs = self._fail_requests_of(self.adapters.poll())
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
@@ -352,11 +353,21 @@ class EngineCore:
             row_logits = logits if len(plain) == len(offsets) - 1 else logits[[offsets[i] for i in plain]]
             for request, token_ids in zip(rows, self._sample(rows, row_logits), strict=True):
                 outputs.append(self._emit(request, token_ids))
-        for i, spec in enumerate(prepared.spec_token_ids):
-            if spec:
-                request = prepared.sample_requests[i]
-                token_ids = self._verify(request, spec, logits[offsets[i] : offsets[i + 1]])
-                outputs.append(self._emit(request, token_ids, num_proposed=len(spec)))
+        speculating = [i for i, spec in enumerate(prepared.spec_token_ids) if spec]
+        if speculating:
+            # Eligible rows are greedy on their raw logits (Speculator.eligible): one argmax over every row's
+            # positions, then each row keeps the proposals that agree with it, and the argmax after them.
+            argmax = logits.argmax(dim=-1).tolist()
+            for i in speculating:
+                request, proposal = prepared.sample_requests[i], prepared.spec_token_ids[i]
+                targets = argmax[offsets[i] : offsets[i + 1]]
+                token_ids = [(token, None) for token in greedy_verified(proposal, targets)]
+                outputs.append(self._emit(request, token_ids, num_proposed=len(proposal)))
+        speculator = self.scheduler.speculator
+        # Decode steps only: a prompt chunk's tokens cost far less each than a decoding row's, and a speculative
+        # token costs what a decoding row's does.
+        if speculator is not None and all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched.scheduled):
+            speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
         return outputs
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[list[tuple[int, TokenLogprobs | None]]]:
@@ -379,23 +390,6 @@ class EngineCore:
             [(sampled.token_ids[i], sampled.logprobs[i] if sampled.logprobs is not None else None)]
             for i in range(len(rows))
         ]
-
-    def _verify(
-        self, request: Request, proposal: list[int], logits: torch.Tensor
-    ) -> list[tuple[int, TokenLogprobs | None]]:
-        """The tokens a speculating row emits: its kept proposals, then one more. Its rows of `logits` [1 + k, vocab]
-        are the distributions after 0..k proposals; an eligible row (Speculator.eligible) is greedy on them."""
-        k = len(proposal)
-        target = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float32)[None]
-        verified = verify(
-            target,
-            torch.tensor([proposal], dtype=torch.int64, device=logits.device),
-            torch.tensor([k], dtype=torch.int64, device=logits.device),
-            accept_uniforms=torch.zeros(1, k, device=logits.device),
-            draw_uniforms=torch.zeros(1, device=logits.device),
-        )
-        num_accepted = int(verified.num_accepted[0])
-        return [(int(token), None) for token in verified.token_ids[0, : num_accepted + 1].tolist()]
 
     def _emit(
         self, request: Request, token_ids: list[tuple[int, TokenLogprobs | None]], *, num_proposed: int = 0

@@ -37,6 +37,34 @@ def propose_ngram(token_ids: Sequence[int] | np.ndarray, *, min_n: int, max_n: i
     return []
 
 
+class NgramIndex:
+    """`propose_ngram` for one growing sequence in O(1) per call: for each n, the most recent start of every n-gram
+    that has a following token, extended as the sequence grows (sequences only grow: outputs are appended, and a
+    preempted request keeps its output). What it proposes is exactly `propose_ngram`'s."""
+
+    def __init__(self, *, min_n: int, max_n: int) -> None:
+        self._min_n = min_n
+        self._max_n = max_n
+        self._starts: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self._length = 0  # tokens indexed: every n-gram starting before length - n is in the maps
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        length = len(token_ids)
+        for end in range(max(self._length, 1), length):  # n-grams whose follower is token `end`
+            for n, starts in self._starts.items():
+                start = end - n
+                if start >= 0:
+                    starts[tuple(token_ids[start:end])] = start
+        self._length = max(self._length, length)
+        if k < 1:
+            return []
+        for n in range(min(self._max_n, length - 1), self._min_n - 1, -1):
+            found = self._starts[n].get(tuple(token_ids[length - n :]))
+            if found is not None:
+                return list(token_ids[found + n : found + n + k])
+        return []
+
+
 class NgramProposer:
     """The n-gram method of a SpeculativeConfig."""
 
@@ -47,6 +75,10 @@ class NgramProposer:
         self._max_n = config.prompt_lookup_max
         self._max_k = config.num_speculative_tokens
 
-    def propose(self, token_ids: Sequence[int] | np.ndarray, k: int) -> list[int]:
+    def index(self) -> NgramIndex:
+        """A new request's index (the speculator keeps one per request)."""
+        return NgramIndex(min_n=self._min_n, max_n=self._max_n)
+
+    def propose(self, index: NgramIndex, token_ids: Sequence[int], k: int) -> list[int]:
         """At most min(k, num_speculative_tokens) tokens for a row whose tokens so far are `token_ids`."""
-        return propose_ngram(token_ids, min_n=self._min_n, max_n=self._max_n, k=min(k, self._max_k))
+        return index.propose(token_ids, min(k, self._max_k))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.engine.core.ngram_proposer import NgramIndex
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.speculation_policy import AcceptanceEstimate
 from loraplex.engine.core.structured_output import GrammarState
@@ -62,6 +63,7 @@ class Request:
     fairness_weight: float = 1.0
     priority: int = 0
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # its speculation's measured rate
+    ngram_index: NgramIndex | None = None  # its tokens' n-grams, for prompt-lookup proposals (made on first use)
 
     @property
     def is_prefilled(self) -> bool:

@@ -238,6 +238,7 @@ class Scheduler:
             [s.request for s in rows],
             scheduled_tokens=out.num_batched_tokens,
             token_budget=self.config.max_num_batched_tokens,
+            num_sampling_rows=sum(1 for s in out.scheduled if s.completes_prompt),
         )
         for scheduled, proposal in zip(rows, plans, strict=True):
             if proposal and self.memory.can_grow(scheduled.request, 1 + len(proposal)):

@@ -59,6 +59,48 @@ class AcceptanceEstimate:
         self.refused *= FORGET
 
 
+@dataclass(slots=True)
+class StepCostModel:
+    """The engine's step time as a + b * tokens, fitted online to the steps it ran (least squares with forgetting,
+    so it follows the machine's load). `b` is what one more token costs a step, `a` what a step costs anyway."""
+
+    forget: float = 0.98
+    _w: float = 0.0
+    _t: float = 0.0  # weighted sums of tokens, seconds, tokens^2, tokens * seconds
+    _s: float = 0.0
+    _tt: float = 0.0
+    _ts: float = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self._w = self._w * self.forget + 1.0
+        self._t = self._t * self.forget + num_tokens
+        self._s = self._s * self.forget + seconds
+        self._tt = self._tt * self.forget + num_tokens * num_tokens
+        self._ts = self._ts * self.forget + num_tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) seconds, or None until steps of different sizes were seen."""
+        if self._w < 2:
+            return None
+        mean_t, mean_s = self._t / self._w, self._s / self._w
+        var_t = self._tt / self._w - mean_t * mean_t
+        if var_t < 1.0:  # every step about the same size: the slope is not known
+            return None
+        b = max(0.0, (self._ts / self._w - mean_t * mean_s) / var_t)
+        return max(0.0, mean_s - b * mean_t), b
+
+    def min_gain(self, *, num_tokens: int, num_rows: int) -> float:
+        """The least chance of being kept a proposal needs to pay in a step of `num_tokens` tokens that emits a
+        token for each of `num_rows` rows: its extra token's cost in emitted tokens, b * rows / step time. Near 0
+        while a step costs the same whatever its size; near 1 (never) once each token costs its share."""
+        fitted = self.fit()
+        if fitted is None:
+            return DEFAULT_MIN_GAIN
+        a, b = fitted
+        step = a + b * num_tokens
+        return 1.0 if step <= 0 else min(1.0, max(DEFAULT_MIN_GAIN, b * num_rows / step))
+
+
 def free_tokens(*, scheduled_tokens: int, token_budget: int, knee_tokens: int) -> int:
     """The step's room for speculative tokens: what is left of the token budget and of the tokens below the knee
     (the step size past which each token costs its share) once the step's own tokens are scheduled."""

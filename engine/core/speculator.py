@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from loraplex.engine.core.ngram_proposer import NgramProposer
 from loraplex.engine.core.request import Request
 from loraplex.engine.core.sampling_params import GREEDY_TEMPERATURE
-from loraplex.engine.core.speculation_policy import free_tokens, plan_speculative_lengths
+from loraplex.engine.core.speculation_policy import StepCostModel, free_tokens, plan_speculative_lengths
 from loraplex.engine.core.speculative_config import SpeculativeConfig
 
 
@@ -57,6 +57,7 @@ class Speculator:
         self.knee_tokens = knee_tokens
         self.proposer = NgramProposer(config)
         self.stats = SpeculationStats()
+        self.cost = StepCostModel()  # the engine's measured step times: what a speculative token costs here
 
     @staticmethod
     def eligible(request: Request) -> bool:
@@ -74,24 +75,44 @@ class Speculator:
             and len(request.output_token_ids) >= params.min_tokens
         )
 
-    def plan(self, rows: Sequence[Request], *, scheduled_tokens: int, token_budget: int) -> list[list[int]]:
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """Book a decode step's size (rows plus their proposals) and how long it took (schedule to outputs)."""
+        self.cost.observe(num_tokens, seconds)
+
+    def plan(
+        self, rows: Sequence[Request], *, scheduled_tokens: int, token_budget: int, num_sampling_rows: int
+    ) -> list[list[int]]:
         """The proposed tokens each decoding row verifies this step ([] for none). `rows` are eligible rows that
-        decode one token this step; `scheduled_tokens` is the step's size before speculation."""
-        proposals: list[list[int]] = []
-        for request in rows:
-            # The row emits its kept proposals and one token more: never past its max_tokens.
-            room = request.max_tokens - len(request.output_token_ids) - 1
-            tokens = request.prompt_token_ids + request.output_token_ids
-            proposals.append(self.proposer.propose(tokens, room) if room > 0 else [])
+        decode one token this step; `scheduled_tokens` is the step's size before speculation, in which
+        `num_sampling_rows` rows emit a token. A proposal must be likely enough to be kept to pay for its token at
+        this step size, as the measured step cost says (StepCostModel.min_gain).
+
+        Proposals are only looked up where they could be used: none at all without room, and otherwise for the
+        rows most likely to keep a first proposal, as many as the room holds (the policy gives a row a j-th
+        proposal only after its first), so a busy step pays nothing for speculation."""
+        chosen: list[list[int]] = [[] for _ in rows]
         room = free_tokens(scheduled_tokens=scheduled_tokens, token_budget=token_budget, knee_tokens=self.knee_tokens)
+        rates = [request.acceptance.rate for request in rows]
+        min_gain = self.cost.min_gain(num_tokens=scheduled_tokens, num_rows=max(1, num_sampling_rows))
+        ranked = sorted((i for i, rate in enumerate(rates) if rate >= min_gain), key=lambda i: -rates[i])
+        candidates = ranked[:room]
+        proposals: list[list[int]] = []
+        for i in candidates:
+            request = rows[i]
+            # The row emits its kept proposals and one token more: never past its max_tokens.
+            limit = request.max_tokens - len(request.output_token_ids) - 1
+            if request.ngram_index is None:
+                request.ngram_index = self.proposer.index()
+            tokens = request.prompt_token_ids + request.output_token_ids
+            proposals.append(self.proposer.propose(request.ngram_index, tokens, limit))
         lengths = plan_speculative_lengths(
-            [request.acceptance.rate for request in rows], [len(p) for p in proposals], free_tokens=room
+            [rates[i] for i in candidates], [len(p) for p in proposals], free_tokens=room, min_gain=min_gain
         )
-        chosen = []
-        for request, proposal, k in zip(rows, proposals, lengths, strict=True):
-            if k == 0:
+        for i, proposal, k in zip(candidates, proposals, lengths, strict=True):
+            chosen[i] = proposal[:k]
+        for request, proposal in zip(rows, chosen, strict=True):
+            if not proposal:
                 request.acceptance.rest()
-            chosen.append(proposal[:k])
         return chosen
 
     def verified(self, request: Request, *, proposed: int, accepted: int, emitted: int) -> None:

@@ -98,9 +98,9 @@ def engine() -> None:
 @click.option(
     "--speculative-knee-tokens",
     type=click.IntRange(min=1),
-    default=32,
+    default=128,
     show_default=True,
-    help="Step size (tokens) up to which a step barely slows down: speculation fills at most the room below it.",
+    help="Largest step (tokens) speculation may grow a step to; within it, the measured step cost decides.",
 )
 @click.option(
     "--enable-prefix-caching/--no-enable-prefix-caching",

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from loraplex.engine.core.ngram_proposer import NgramProposer, propose_ngram
+from loraplex.engine.core.ngram_proposer import NgramIndex, NgramProposer, propose_ngram
 from loraplex.engine.core.speculative_config import SpeculativeConfig
 
 pytestmark = pytest.mark.unit
@@ -56,8 +56,21 @@ def test_matches_the_reference_loop_on_random_sequences() -> None:
         ), (tokens, min_n, max_n, k)
 
 
+def test_the_index_proposes_what_the_scan_does_as_a_sequence_grows() -> None:
+    rng = random.Random(11)
+    for _ in range(100):
+        min_n = rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 6)
+        index = NgramIndex(min_n=min_n, max_n=max_n)
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 20))]
+        for _ in range(30):
+            k = rng.randrange(0, 6)
+            assert index.propose(tokens, k) == propose_ngram(tokens, min_n=min_n, max_n=max_n, k=k), tokens
+            tokens = tokens + [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+
+
 def test_the_proposer_caps_at_the_configured_length() -> None:
     proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1))
-    assert proposer.propose([1, 2, 3, 4, 1], k=8) == [2, 3]
+    assert proposer.propose(proposer.index(), [1, 2, 3, 4, 1], k=8) == [2, 3]
     with pytest.raises(ValueError, match="ngram"):
         NgramProposer(SpeculativeConfig(method="draft_model", model=__import__("pathlib").Path("d")))

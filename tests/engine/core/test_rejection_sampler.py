@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.core.rejection_sampler import verify
+from loraplex.engine.core.rejection_sampler import greedy_verified, verify
 
 pytestmark = pytest.mark.unit
 
@@ -106,3 +106,16 @@ def test_shapes_are_checked() -> None:
         verify(target, torch.zeros(2, 3, dtype=torch.int64), torch.tensor([1, 1]), torch.rand(2, 2), torch.rand(2))
     with pytest.raises(ValueError, match="one entry per row"):
         verify(target, torch.zeros(2, 2, dtype=torch.int64), torch.tensor([1]), torch.rand(2, 2), torch.rand(2))
+
+
+def test_the_greedy_host_path_is_verify_on_one_hot_targets() -> None:
+    generator = torch.Generator().manual_seed(9)
+    for _ in range(200):
+        k = int(torch.randint(1, 5, (), generator=generator))
+        argmax = torch.randint(0, 3, (k + 1,), generator=generator)
+        proposal = torch.randint(0, 3, (k,), generator=generator)
+        expected = verify(
+            one_hot(argmax.tolist(), 3)[None], proposal[None], torch.tensor([k]), torch.rand(1, k), torch.rand(1)
+        )
+        kept = int(expected.num_accepted[0])
+        assert greedy_verified(proposal.tolist(), argmax.tolist()) == expected.token_ids[0, : kept + 1].tolist()

@@ -8,8 +8,10 @@ import itertools
 import pytest
 
 from loraplex.engine.core.speculation_policy import (
+    DEFAULT_MIN_GAIN,
     PRIOR_RATE,
     AcceptanceEstimate,
+    StepCostModel,
     free_tokens,
     plan_speculative_lengths,
 )
@@ -91,3 +93,31 @@ def test_the_estimate_follows_what_verification_saw_and_rests_back_to_the_prior(
     assert 0.45 < estimate.rate < 0.55
     with pytest.raises(ValueError, match="between 0 and proposed"):
         estimate.observe(proposed=2, accepted=3)
+
+
+def test_the_step_cost_model_learns_what_a_token_costs() -> None:
+    model = StepCostModel()
+    assert model.fit() is None
+    assert model.min_gain(num_tokens=8, num_rows=8) == DEFAULT_MIN_GAIN  # nothing known: the floor
+    for _ in range(3):
+        model.observe(16, 0.01)
+    assert model.fit() is None  # one step size only: the slope is unknown
+    model = StepCostModel()
+    for tokens in [1, 4, 16, 64, 128, 2, 32, 8] * 5:
+        model.observe(tokens, 0.004 + 0.0001 * tokens)
+    fitted = model.fit()
+    assert fitted is not None
+    a, b = fitted
+    assert a == pytest.approx(0.004, rel=1e-6) and b == pytest.approx(0.0001, rel=1e-6)
+    # Four decoding rows: a step of 4 tokens costs 4.4 ms, one more token 0.1 ms, worth 4 / 4.4 * 0.1 of a token.
+    assert model.min_gain(num_tokens=4, num_rows=4) == DEFAULT_MIN_GAIN
+    # 64 rows: each token costs 0.1 ms of a 10.4 ms step that emits 64 tokens: a proposal needs a 62% chance.
+    assert model.min_gain(num_tokens=64, num_rows=64) == pytest.approx(0.0001 * 64 / 0.0104)
+
+
+def test_where_every_token_costs_its_share_no_proposal_pays() -> None:
+    model = StepCostModel()
+    for tokens in [1, 8, 64, 256] * 5:
+        model.observe(tokens, 0.001 * tokens)  # no fixed cost at all
+    assert model.min_gain(num_tokens=32, num_rows=32) == pytest.approx(1.0)
+    assert plan_speculative_lengths([0.99], [4], free_tokens=100, min_gain=1.0) == [0]
