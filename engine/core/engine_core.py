@@ -361,6 +361,8 @@ class EngineCore:
             for i in speculating:
                 request, proposal = prepared.sample_requests[i], prepared.spec_token_ids[i]
                 targets = argmax[offsets[i] : offsets[i + 1]]
+                if request.sampling_params.logit_bias:  # the same bias at every position: the argmax of biased rows
+                    targets = _biased(logits[offsets[i] : offsets[i + 1]], request.sampling_params.logit_bias)
                 token_ids = [(token, None) for token in greedy_verified(proposal, targets)]
                 outputs.append(self._emit(request, token_ids, num_proposed=len(proposal)))
         speculator = self.scheduler.speculator
@@ -460,3 +462,13 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request uses (vLLM's reset_prefix_cache); returns how many."""
         return self.kv.prefix_cache.clear() if self.kv.prefix_cache is not None else 0
+
+
+def _biased(logits: torch.Tensor, logit_bias: tuple[tuple[int, float], ...]) -> list[int]:
+    """The argmax of each row of `logits` [positions, vocab] after `logit_bias` is added (the sampler's first
+    adjustment, the same at every position)."""
+    tokens = torch.tensor([token for token, _ in logit_bias], dtype=torch.int64, device=logits.device)
+    biases = torch.tensor([bias for _, bias in logit_bias], dtype=logits.dtype, device=logits.device)
+    biased = logits.clone()
+    biased[:, tokens] += biases
+    return [int(token) for token in biased.argmax(dim=-1).tolist()]

@@ -6,9 +6,10 @@ verifies in the step's free room, and returns them; the scheduler grows those ro
 preempting for it). After the forward, the engine verifies (rejection_sampler.py), emits what was kept plus one
 token, and books each row's outcome here (its acceptance estimate and the counters /metrics reads).
 
-Eligible rows, for now: greedy, with no logit_bias, penalties, logits processors, grammar, logprobs or pending
-min_tokens. For them the target's distribution at each proposed position is its raw argmax, so verification is
-exact token for token. The other rows decode one token per step as without speculation.
+Eligible rows, for now: greedy, with no penalties, logits processors, grammar, logprobs or pending min_tokens
+(logit_bias is fine: it is the same at every position). For them the target at each proposed position is the
+argmax of the raw logits plus their bias, so verification is exact token for token. The other rows decode one token
+per step as without speculation.
 """
 
 from __future__ import annotations
@@ -61,11 +62,10 @@ class Speculator:
 
     @staticmethod
     def eligible(request: Request) -> bool:
-        """Whether the row's verification is exact with its raw argmax (see the module's docstring)."""
+        """Whether the row's verification is exact with the argmax of its biased logits (the module's docstring)."""
         params = request.sampling_params
         return (
             params.temperature < GREEDY_TEMPERATURE
-            and not params.logit_bias
             and not params.logits_processors
             and params.presence_penalty == 0
             and params.frequency_penalty == 0

@@ -113,6 +113,18 @@ def test_rows_whose_sampling_is_not_plain_greedy_do_not_speculate_yet(params: Sa
     assert totals(llm) == (0, 0)
 
 
+def test_logit_bias_holds_on_speculated_tokens() -> None:
+    tokenizer = demo().get_tokenizer()
+    banned = tokenizer.encode(" statement", add_special_tokens=False)[0]
+    favoured = tokenizer.encode(" the", add_special_tokens=False)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logit_bias={banned: -100, favoured: 2.5})
+    llm = demo(speculative_config=NGRAM, speculative_knee_tokens=64)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert got == [o.outputs[0].token_ids for o in demo().generate(PROMPTS, params)]
+    assert all(banned not in tokens for tokens in got)
+    assert totals(llm)[0] > 0
+
+
 def test_stop_strings_and_max_tokens_hold_inside_speculated_tokens() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=37, stop=['"except"'])
     llm = demo(speculative_config=NGRAM, speculative_knee_tokens=64)
