@@ -11,6 +11,7 @@ from decimal import ROUND_HALF_EVEN, Decimal, localcontext
 from typing import Any
 
 import pytest
+from _support.usage_rows import usage_row
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from litestar import Litestar
@@ -50,25 +51,11 @@ async def tenants(sessions: Sessions) -> list[Tenant]:
         return made
 
 
+ROW = {"prompt_tokens": 1000}  # this module's usual request
+
+
 def usage(tenant: Tenant, started_at: datetime, **changes: Any) -> dict[str, Any]:
-    row: dict[str, Any] = {
-        "request_id": f"chatcmpl-{uuid.uuid4().hex}",
-        "tenant_id": tenant.id,
-        "api_key_id": None,
-        "endpoint_id": None,
-        "adapter_id": None,
-        "adapter_digest": None,
-        "model": "llama-a",
-        "base_model": "llama-a",
-        "prompt_tokens": 1000,
-        "cached_tokens": 0,
-        "completion_tokens": 0,
-        "status": "ok",
-        "started_at": started_at,
-        "finished_at": started_at + timedelta(seconds=2),
-    }
-    row.update(changes)
-    return row
+    return usage_row(tenant.id, started_at, **(ROW | changes))
 
 
 async def add_usage(sessions: Sessions, rows: list[dict[str, Any]]) -> None:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from _support.console import chromium, chromium_executable
+from _support.usage_rows import usage_row
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -40,25 +41,11 @@ EVIL = "<script>alert(1)</script>"
 CHARTS = ("cost-per-day", "cache-hit-rate", "top-endpoints")
 
 
+ROW = {"prompt_tokens": 20_000, "completion_tokens": 2_000}  # this module's usual request
+
+
 def usage(tenant: Tenant, started_at: datetime, **changes: Any) -> dict[str, Any]:
-    row: dict[str, Any] = {
-        "request_id": f"chatcmpl-{uuid.uuid4().hex}",
-        "tenant_id": tenant.id,
-        "api_key_id": None,
-        "endpoint_id": None,
-        "adapter_id": None,
-        "adapter_digest": None,
-        "model": "llama-a",
-        "base_model": "llama-a",
-        "prompt_tokens": 20_000,
-        "cached_tokens": 0,
-        "completion_tokens": 2_000,
-        "status": "ok",
-        "started_at": started_at,
-        "finished_at": started_at + timedelta(seconds=2),
-    }
-    row.update(changes)
-    return row
+    return usage_row(tenant.id, started_at, **(ROW | changes))
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from _support.console import BrowserProblems, chromium, review, sign_in
+from _support.usage_rows import usage_row
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -43,25 +44,11 @@ def at(day: str, hour: int = 12) -> datetime:
     return datetime.combine(date.fromisoformat(day), datetime.min.time(), tzinfo=UTC) + timedelta(hours=hour)
 
 
+ROW = {"prompt_tokens": 20_000, "cached_tokens": 8_000, "completion_tokens": 2_000}  # this module's usual request
+
+
 def usage(tenant_id: str, started_at: datetime, **changes: Any) -> dict[str, Any]:
-    row: dict[str, Any] = {
-        "request_id": f"chatcmpl-{uuid.uuid4().hex}",
-        "tenant_id": uuid.UUID(tenant_id),
-        "api_key_id": None,
-        "endpoint_id": None,
-        "adapter_id": None,
-        "adapter_digest": None,
-        "model": "llama-a",
-        "base_model": "llama-a",
-        "prompt_tokens": 20_000,
-        "cached_tokens": 8_000,
-        "completion_tokens": 2_000,
-        "status": "ok",
-        "started_at": started_at,
-        "finished_at": started_at + timedelta(seconds=2),
-    }
-    row.update(changes)
-    return row
+    return usage_row(tenant_id, started_at, **(ROW | changes))
 
 
 async def seed(sessions: Sessions, rows: list[dict[str, Any]]) -> None:
