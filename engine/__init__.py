@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from loraplex.engine.core.config import EngineConfig, parse_memory_budget
     from loraplex.engine.core.outputs import CompletionOutput, RequestOutput
     from loraplex.engine.core.sampling_params import SamplingParams, StructuredOutputsParams
+    from loraplex.engine.core.speculative_config import SpeculativeConfig
     from loraplex.engine.errors import CheckpointError, EngineError, RequestError
     from loraplex.engine.lora.manager import AdapterState
     from loraplex.engine.lora.ref import AdapterRef, LoRARequest
@@ -39,6 +40,7 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
     "StructuredOutputsParams",
     "parse_memory_budget",
 ]
@@ -52,6 +54,7 @@ _WHERE = {
     "RequestOutput": "loraplex.engine.core.outputs",
     "SamplingParams": "loraplex.engine.core.sampling_params",
     "StructuredOutputsParams": "loraplex.engine.core.sampling_params",
+    "SpeculativeConfig": "loraplex.engine.core.speculative_config",
     "CheckpointError": "loraplex.engine.errors",
     "EngineError": "loraplex.engine.errors",
     "RequestError": "loraplex.engine.errors",

@@ -24,7 +24,12 @@ from loraplex.platform.domain.api_keys.keys import KeyHasher
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
 from loraplex.platform.domain.base_models.service import ModelConfigs
-from loraplex.platform.domain.fleet.embedded import embedded_model, embedded_quantization, start_embedded_fleet
+from loraplex.platform.domain.fleet.embedded import (
+    embedded_model,
+    embedded_quantization,
+    embedded_speculative_config,
+    start_embedded_fleet,
+)
 from loraplex.platform.domain.fleet.registry import EmptyFleet, Fleet, RedisFleet, Router
 from loraplex.platform.domain.usage.recorder import UsageRecorder, open_usage_recorder
 from loraplex.platform.kv import KeyValueStore, RedisStore, open_kv_store
@@ -177,15 +182,16 @@ async def _open_fleet(
     async with sessions() as session:
         registered = await BaseModelRepository(session).get_by_name(name)
         quantization = embedded_quantization(settings, registered.quantization if registered else None)
-    fleet, engine, name, path = await start_embedded_fleet(settings, quantization)
+        speculative = embedded_speculative_config(settings, registered.speculative_config if registered else None)
+    fleet, engine, name, path = await start_embedded_fleet(settings, quantization, speculative)
     async with sessions() as session:
         # The embedded engine's model is a base model like any other, registered on first start; its record says
-        # the quantization served (LORAPLEX_ENGINE_QUANTIZATION may have changed it since).
+        # the quantization and speculation served (LORAPLEX_ENGINE_* may have changed them since).
         models = BaseModelRepository(session)
         row = await models.get_by_name(name)
         if row is None:
-            await models.add(BaseModel(name=name, source=str(path), quantization=quantization))
-        elif row.quantization != quantization:
-            row.quantization = quantization
+            row = await models.add(BaseModel(name=name, source=str(path), quantization=quantization))
+        row.quantization = quantization
+        row.set_speculative(speculative)
         await session.commit()
     return fleet, engine

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from loraplex.engine import parse_memory_budget
+from loraplex.engine import SpeculativeConfig, parse_memory_budget
 from loraplex.platform.service_tiers import ServiceTier, canonical_tiers
 
 ENV_PREFIX = "LORAPLEX_"
@@ -201,6 +201,12 @@ class Settings(BaseSettings):
         description="Weight-only quantization of the embedded engine's base model, done at load: int8 or int4; "
         "none forces full weights. Unset: what the base model was registered with (none at first start).",
     )
+    engine_speculative_config: str | None = Field(
+        default=None,
+        description="Speculative decoding of the embedded engine, in vLLM's --speculative-config JSON shape "
+        '(`{"method": "ngram", "num_speculative_tokens": 4}`); none turns it off. Unset: what the base model is '
+        "registered with (off at first start).",
+    )
     engine_max_model_len: int | None = Field(
         default=None, ge=16, description="Context length cap; default: the model's."
     )
@@ -239,6 +245,16 @@ class Settings(BaseSettings):
     @classmethod
     def _kv_budget(cls, value: str) -> str:
         parse_memory_budget(value)
+        return value
+
+    @field_validator("engine_speculative_config")
+    @classmethod
+    def _speculative_config(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if value.strip().lower() == "none":
+            return "none"
+        SpeculativeConfig.parse(value)  # its errors name the field at fault
         return value
 
     @field_validator("default_service_tiers")

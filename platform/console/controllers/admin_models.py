@@ -1,14 +1,17 @@
-"""The admin's models & prices page: the registered base models with a form to register one, and the versioned price
-book (every version per base model and service tier, the one in force now marked) with a form to add a version.
+"""The admin's models & prices page: the registered base models with a form to register one and one to set or clear
+a base model's speculative config, and the versioned price book (every version per base model and service tier, the
+one in force now marked) with a form to add a version.
 
-Both forms are read into the API's own request bodies (BaseModelCreate, PriceSet: decimal prices, at most 9
-decimals, an instant read as UTC) and go through the API's own functions (`register_base_model`, `set_price`), so a
-price that would re-rate recorded usage is refused here as there. A refused form re-renders the page with the
-message and the admin's input, having written nothing.
+The forms are read into the API's own request bodies (BaseModelCreate, BaseModelPatch: the speculative config as its
+JSON text; PriceSet: decimal prices, at most 9 decimals, an instant read as UTC) and go through the API's own
+functions (`register_base_model`, `update_base_model`, `set_price`), so a price that would re-rate recorded usage is
+refused here as there. A refused form re-renders the page with the message and the admin's input, having written
+nothing.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -23,9 +26,9 @@ from loraplex.platform.console.forms import FormData, parse_form
 from loraplex.platform.console.pages import page
 from loraplex.platform.console.security import CSRF_FIELD
 from loraplex.platform.dependencies import AppResources, DbSession
-from loraplex.platform.domain.base_models.controllers import register_base_model
+from loraplex.platform.domain.base_models.controllers import register_base_model, update_base_model
 from loraplex.platform.domain.base_models.models import Quantization
-from loraplex.platform.domain.base_models.schemas import BaseModelCreate, BaseModelOut
+from loraplex.platform.domain.base_models.schemas import BaseModelCreate, BaseModelOut, BaseModelPatch
 from loraplex.platform.domain.base_models.service import BaseModelService
 from loraplex.platform.domain.billing.controllers import set_price
 from loraplex.platform.domain.billing.schemas import PriceOut, PriceSet
@@ -43,7 +46,12 @@ PRICE_LABELS = {
     "output_per_mtok": "output price (USD per 1M tokens)",
     "effective_at": "effective from",
 }
-MODEL_LABELS = {"name": "name", "source": "source path", "quantization": "quantization"}
+MODEL_LABELS = {
+    "name": "name",
+    "source": "source path",
+    "quantization": "quantization",
+    "speculative_config": "speculative config",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +71,13 @@ def price_books(versions: Sequence[PriceOut]) -> list[PriceBook]:
     return [PriceBook(model, tier, tuple(rows)) for (model, tier), rows in grouped.items()]
 
 
+def speculative_text(model: BaseModelOut) -> str:
+    """A base model's speculative config as the JSON text its form field takes ("" when it does not speculate)."""
+    if model.speculative_config is None:
+        return ""
+    return json.dumps(model.speculative_config.model_dump(exclude_none=True))
+
+
 def _fields(data: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
     """The form's fields a request body knows (those bodies refuse unknown fields, the CSRF one included)."""
     return {name: data[name] for name in names if name in data and name != CSRF_FIELD}
@@ -76,6 +91,7 @@ async def _page(
     notice: str | None = None,
     price_error: str | None = None,
     model_error: str | None = None,
+    speculative_error: str | None = None,
     form: dict[str, Any] | None = None,
     status_code: int = 200,
 ) -> Template:
@@ -88,6 +104,7 @@ async def _page(
         title=TITLE,
         status_code=status_code,
         models=models,
+        speculative={model.name: speculative_text(model) for model in models},
         books=price_books(versions),
         tiers=[tier.value for tier in TIER_ORDER],
         quantizations=[q.value for q in Quantization],
@@ -95,6 +112,7 @@ async def _page(
         notice=notice,
         price_error=price_error,
         model_error=model_error,
+        speculative_error=speculative_error,
         form=form or {},
     )
 
@@ -115,6 +133,28 @@ class AdminModelPages(Controller):
             await db.rollback()
             return await _page(caller, db, resources, model_error=exc.message, form=data, status_code=exc.status_code)
         return await _page(caller, db, resources, notice=f"Base model {created.name} registered.", status_code=201)
+
+    @post("/models/speculative", status_code=200)
+    async def set_speculative(self, caller: Caller, db: DbSession, resources: AppResources, data: FormData) -> Template:
+        """Set a base model's speculative config from the form's JSON text; a blank one turns speculation off."""
+        name = str(data.get("name", "")).strip()
+        text = data.get("speculative_config", "")
+        try:
+            if isinstance(text, str) and not text.strip():
+                body = BaseModelPatch(speculative_config=None)
+            else:
+                body = parse_form(BaseModelPatch, {"speculative_config": text}, labels=MODEL_LABELS)
+            updated = await update_base_model(db, resources, name, body)
+        except ApiError as exc:
+            await db.rollback()
+            return await _page(
+                caller, db, resources, speculative_error=exc.message, form=data, status_code=exc.status_code
+            )
+        if updated.speculative_config is None:
+            notice = f"Base model {updated.name} no longer speculates."
+        else:
+            notice = f"Base model {updated.name} speculates by {updated.speculative_config.method}."
+        return await _page(caller, db, resources, notice=notice)
 
     @post("/prices", status_code=200)
     async def add_price(self, caller: Caller, db: DbSession, resources: AppResources, data: FormData) -> Template:

@@ -1,13 +1,13 @@
-"""HTTP for base models: an admin registers them; tenants see them in /v1/models."""
+"""HTTP for base models: an admin registers them and sets how they speculate; tenants see them in /v1/models."""
 
 from __future__ import annotations
 
-from litestar import Controller, get, post
-from litestar.params import JSONBody
+from litestar import Controller, get, patch, post
+from litestar.params import FromPath, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.dependencies import AppResources, DbSession
-from loraplex.platform.domain.base_models.schemas import BaseModelCreate, BaseModelOut
+from loraplex.platform.domain.base_models.schemas import BaseModelCreate, BaseModelOut, BaseModelPatch
 from loraplex.platform.domain.base_models.service import BaseModelService
 from loraplex.platform.resources import Resources
 from loraplex.platform.schemas import ObjectList
@@ -16,7 +16,19 @@ from loraplex.platform.schemas import ObjectList
 async def register_base_model(db: AsyncSession, resources: Resources, data: BaseModelCreate) -> BaseModelOut:
     """Register and commit a base model (the API's and the console's way)."""
     service = BaseModelService(db, resources.model_configs)
-    row = await service.create(data.name, data.source, data.quantization.value if data.quantization else None)
+    row = await service.create(
+        data.name,
+        data.source,
+        data.quantization.value if data.quantization else None,
+        data.speculative_config,
+    )
+    await db.commit()
+    return BaseModelOut.of(row)
+
+
+async def update_base_model(db: AsyncSession, resources: Resources, name: str, data: BaseModelPatch) -> BaseModelOut:
+    """Apply and commit `data` to the base model `name` (the API's and the console's way)."""
+    row = await BaseModelService(db, resources.model_configs).set_speculative_config(name, data.speculative_config)
     await db.commit()
     return BaseModelOut.of(row)
 
@@ -33,3 +45,18 @@ class AdminBaseModelController(Controller):
     async def list(self, db: DbSession, resources: AppResources) -> ObjectList[BaseModelOut]:
         rows = await BaseModelService(db, resources.model_configs).list()
         return ObjectList(data=[BaseModelOut.of(r) for r in rows])
+
+    # `:path`, since a base model's name may hold slashes (`meta-llama/Llama-3.2-1B`); the value starts with one.
+    @get("/{name:path}", summary="Get a base model")
+    async def get(self, name: FromPath[str], db: DbSession, resources: AppResources) -> BaseModelOut:
+        row = await BaseModelService(db, resources.model_configs).named(name.removeprefix("/"))
+        return BaseModelOut.of(row)
+
+    @patch(
+        "/{name:path}",
+        summary="Set or clear a base model's speculative config (engines take it when they start)",
+    )
+    async def update(
+        self, name: FromPath[str], data: JSONBody[BaseModelPatch], db: DbSession, resources: AppResources
+    ) -> BaseModelOut:
+        return await update_base_model(db, resources, name.removeprefix("/"), data)

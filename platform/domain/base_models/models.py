@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import uuid
 from datetime import datetime
+from pathlib import Path
+from typing import Any
 
-from sqlalchemy import CheckConstraint, String
+from sqlalchemy import JSON, CheckConstraint, String
 from sqlalchemy.orm import Mapped, mapped_column
 
+from loraplex.engine import SpeculativeConfig
 from loraplex.platform.db.base import Base, utcnow
 
 
@@ -26,5 +30,20 @@ class BaseModel(Base):
     name: Mapped[str] = mapped_column(String(200), unique=True)
     source: Mapped[str] = mapped_column(String(1024))  # a local folder or an s3:// URI of the checkpoint
     quantization: Mapped[str | None] = mapped_column(String(16), default=None)
+    # How engines serving it speculate (vLLM's --speculative-config object, every field spelled out: see
+    # speculative_config_json); null: they do not. Set through `set_speculative`, from a parsed config.
+    speculative_config: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     status: Mapped[str] = mapped_column(String(16), default="ready")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    def set_speculative(self, config: SpeculativeConfig | None) -> None:
+        self.speculative_config = speculative_config_json(config)
+
+
+def speculative_config_json(config: SpeculativeConfig | None) -> dict[str, Any] | None:
+    """`config` as the JSON object `SpeculativeConfig.parse` reads back to an equal config: every field given, so a
+    stored row does not change meaning if the engine's defaults do."""
+    if config is None:
+        return None
+    values = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+    return {name: str(value) if isinstance(value, Path) else value for name, value in values.items()}

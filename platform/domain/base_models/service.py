@@ -1,5 +1,6 @@
-"""Base model logic: registration (the checkpoint's config.json must be readable and supported) and the model
-configs adapter validation needs. Stateless apart from a config cache; never commits."""
+"""Base model logic: registration (the checkpoint's config.json must be readable and supported, and so must a
+speculative config's draft model), the speculative setting, and the model configs adapter validation needs.
+Stateless apart from a config cache; never commits."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import anyio.to_thread
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from loraplex.engine import CheckpointError, ModelConfig
+from loraplex.engine import CheckpointError, ModelConfig, SpeculativeConfig
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
 from loraplex.platform.errors import ApiError, conflict, invalid_request
@@ -62,7 +63,9 @@ class BaseModelService:
         self._models = BaseModelRepository(session)
         self._configs = configs
 
-    async def create(self, name: str, source: str, quantization: str | None) -> BaseModel:
+    async def create(
+        self, name: str, source: str, quantization: str | None, speculative_config: SpeculativeConfig | None = None
+    ) -> BaseModel:
         if await self._models.get_by_name(name) is not None:
             raise conflict(f"A base model named '{name}' already exists.", param="name")
         try:
@@ -75,17 +78,64 @@ class BaseModelService:
                 f"served as it is: register it without quantization, not '{quantization}'.",
                 param="quantization",
             )
+        await self._check_draft(speculative_config, config)
+        row = BaseModel(name=name, source=source, quantization=quantization)
+        row.set_speculative(speculative_config)
         try:
             async with self._session.begin_nested():
-                return await self._models.add(BaseModel(name=name, source=source, quantization=quantization))
+                return await self._models.add(row)
         except IntegrityError:
             raise conflict(f"A base model named '{name}' already exists.", param="name") from None
+
+    async def set_speculative_config(self, name: str, speculative_config: SpeculativeConfig | None) -> BaseModel:
+        """Set (None: clear) how engines serving the base model `name` speculate. Engines take it when they start:
+        the embedded one at the platform's next start, fleet engines from their own --speculative-config."""
+        row = await self.named(name)
+        if speculative_config is not None and speculative_config.model is not None:
+            try:
+                target = await self._configs.of(row.source)
+            except CheckpointError as exc:
+                raise invalid_request(
+                    f"speculative_config: the base model at {row.source} cannot be read to check the draft model "
+                    f"against it: {exc}",
+                    param="speculative_config",
+                ) from None
+            await self._check_draft(speculative_config, target)
+        row.set_speculative(speculative_config)
+        await self._session.flush()
+        return row
+
+    async def _check_draft(self, speculative_config: SpeculativeConfig | None, target: ModelConfig) -> None:
+        """A draft model must be a checkpoint the engine reads (its config.json, as a base model's source is
+        checked) with the target's vocabulary, since it proposes the target's token ids. That the tokenizer files
+        agree too is checked by the engine when it loads the draft."""
+        if speculative_config is None or speculative_config.model is None:
+            return
+        draft = speculative_config.model
+        try:
+            config = await self._configs.of(str(draft))
+        except CheckpointError as exc:
+            raise invalid_request(
+                f"speculative_config: the draft model at {draft} cannot be served: {exc}", param="speculative_config"
+            ) from None
+        if config.vocab_size != target.vocab_size:
+            raise invalid_request(
+                f"speculative_config: the draft model at {draft} has a vocabulary of {config.vocab_size} tokens, the "
+                f"base model one of {target.vocab_size}: a draft must share the base model's tokenizer.",
+                param="speculative_config",
+            )
 
     async def list(self) -> list[BaseModel]:
         return await self._models.list()
 
     async def by_name(self, name: str) -> BaseModel | None:
         return await self._models.get_by_name(name)
+
+    async def named(self, name: str) -> BaseModel:
+        found = await self._models.get_by_name(name)
+        if found is None:
+            raise ApiError(404, f"No base model named '{name}'.", code="not_found")
+        return found
 
     async def get(self, base_model_id: uuid.UUID) -> BaseModel:
         found = await self._models.get(base_model_id)

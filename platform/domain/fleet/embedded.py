@@ -9,8 +9,16 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
-from loraplex.engine import QUANTIZATIONS, AsyncEngine, EngineConfig, QuantizationName, parse_memory_budget
+from loraplex.engine import (
+    QUANTIZATIONS,
+    AsyncEngine,
+    EngineConfig,
+    QuantizationName,
+    SpeculativeConfig,
+    parse_memory_budget,
+)
 from loraplex.engine.serve import engine_record
 from loraplex.platform.domain.fleet.client import InProcessEngineClient
 from loraplex.platform.domain.fleet.registry import LocalFleet, Replica
@@ -53,6 +61,25 @@ def embedded_quantization(settings: Settings, registered: str | None) -> Quantiz
     raise RuntimeError(f"the base model's quantization {chosen!r} is not one the engine knows")
 
 
+def embedded_speculative_config(settings: Settings, registered: dict[str, Any] | None) -> SpeculativeConfig | None:
+    """How the embedded engine speculates: LORAPLEX_ENGINE_SPECULATIVE_CONFIG if set ("none": not at all), else as
+    its base model is registered (`registered`, the base_models row's JSON object; None: not at all)."""
+    chosen = settings.engine_speculative_config
+    if chosen == "none":  # Settings gives "none" in that spelling
+        return None
+    if chosen is not None:
+        return SpeculativeConfig.parse(chosen)
+    if registered is None:
+        return None
+    try:
+        return SpeculativeConfig.parse(registered)
+    except ValueError as exc:
+        raise RuntimeError(
+            f"the base model's speculative_config is not one the engine takes ({exc}): set another through "
+            "PATCH /admin/base-models/{name}, or LORAPLEX_ENGINE_SPECULATIVE_CONFIG=none"
+        ) from None
+
+
 def adapter_roots(settings: Settings) -> list[str]:
     if settings.s3_bucket is not None:
         return [f"s3://{settings.s3_bucket}/tenants/"]
@@ -60,7 +87,9 @@ def adapter_roots(settings: Settings) -> list[str]:
 
 
 async def start_embedded_fleet(
-    settings: Settings, quantization: QuantizationName | None = None
+    settings: Settings,
+    quantization: QuantizationName | None = None,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> tuple[LocalFleet, AsyncEngine, str, Path]:
     from loraplex.engine.serve import create_engine_app
 
@@ -69,6 +98,7 @@ async def start_embedded_fleet(
         model=path,
         dtype=settings.engine_dtype,
         quantization=quantization,
+        speculative_config=speculative_config,
         max_model_len=settings.engine_max_model_len,
         kv_budget=parse_memory_budget(settings.engine_kv_budget),
         served_model_name=name,
@@ -85,10 +115,11 @@ async def start_embedded_fleet(
     started = time.perf_counter()
     engine = await AsyncEngine.create(config)
     logger.info(
-        "embedded engine serving %s from %s (%s, %.1f s)",
+        "embedded engine serving %s from %s (%s, %s, %.1f s)",
         name,
         path,
         quantization or "unquantized",
+        f"speculating by {speculative_config.method}" if speculative_config is not None else "not speculating",
         time.perf_counter() - started,
     )
     app = create_engine_app(engine, adapter_roots=adapter_roots(settings))
