@@ -81,8 +81,6 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.speculative_knee_tokens < 1:
             raise ValueError("speculative_knee_tokens must be at least 1")
-        if self.speculative_config is not None and self.speculative_config.method != "ngram":
-            raise ValueError("only the ngram speculative method is served so far (draft_model is not yet)")
         if self.max_num_partial_prefills < 1:
             raise ValueError("max_num_partial_prefills must be at least 1")
         if self.scheduling_policy not in ("fair", "fcfs"):

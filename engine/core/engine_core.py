@@ -15,13 +15,14 @@ import psutil
 import torch
 
 from loraplex.engine.core.config import EngineConfig
+from loraplex.engine.core.draft_model import DraftModel, DraftModelProposer
 from loraplex.engine.core.output_processor import OutputProcessor
 from loraplex.engine.core.outputs import RequestOutput
-from loraplex.engine.core.rejection_sampler import greedy_verified
+from loraplex.engine.core.rejection_sampler import accepted_prefix
 from loraplex.engine.core.request import Request, RequestStatus
 from loraplex.engine.core.request_memory import RequestMemory
 from loraplex.engine.core.runner import ModelRunner
-from loraplex.engine.core.sampler import Sampler, SamplingMetadata, TokenLogprobs
+from loraplex.engine.core.sampler import Sampler, SamplingMetadata, TokenLogprobs, position_generator
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.scheduler import KeyService, QueueStats, Scheduler, SchedulerConfig
 from loraplex.engine.core.speculator import SpeculationCounts, Speculator
@@ -106,6 +107,20 @@ class EngineCore:
             time.perf_counter() - started,
         )
 
+        spec = config.speculative_config
+        # Before the pool, which a fractional kv_budget sizes from the memory the weights leave free.
+        draft = (
+            DraftModel.load(
+                spec.model,
+                target=self.model_config,
+                tokenizer=self.tokenizer,
+                max_model_len=self.max_model_len,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            if spec is not None and spec.model is not None
+            else None
+        )
         self.pool = self._create_pool()
         c = self.model_config
         kv_caches = [self.pool.kv_layer(i, c.num_kv_heads, config.block_size, c.head_dim) for i in range(c.num_layers)]
@@ -133,8 +148,20 @@ class EngineCore:
                 policy=config.scheduling_policy,
             ),
             RequestMemory(self.kv, self.adapters),
-            speculator=Speculator(config.speculative_config, knee_tokens=config.speculative_knee_tokens)
-            if config.speculative_config is not None
+            speculator=Speculator(
+                spec,
+                knee_tokens=config.speculative_knee_tokens,
+                proposer=DraftModelProposer(
+                    spec,
+                    draft,
+                    pool=self.pool,
+                    block_size=config.block_size,
+                    max_num_batched_tokens=config.max_num_batched_tokens,
+                )
+                if draft is not None
+                else None,
+            )
+            if spec is not None
             else None,
         )
         self.runner = ModelRunner(
@@ -235,17 +262,12 @@ class EngineCore:
             )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise RequestError(f"priority must be an integer, got {priority!r}", param="priority")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(checked.token_ids),
             sampling_params=params,
             max_tokens=checked.max_tokens,
             prompt=prompt,
-            generator=generator,
             adapter=self.adapters.request(lora) if lora is not None else None,
             cache_salt=cache_salt,
             grammar=GrammarState(checked.grammar, self.model_config.vocab_size)
@@ -346,52 +368,83 @@ class EngineCore:
         self.num_steps += 1
         self.num_batched_tokens += sched.num_batched_tokens
 
-        offsets = prepared.logits_offsets
-        plain = [i for i, spec in enumerate(prepared.spec_token_ids) if not spec]
-        if plain:
-            rows = [prepared.sample_requests[i] for i in plain]
-            row_logits = logits if len(plain) == len(offsets) - 1 else logits[[offsets[i] for i in plain]]
-            for request, token_ids in zip(rows, self._sample(rows, row_logits), strict=True):
-                outputs.append(self._emit(request, token_ids))
-        speculating = [i for i, spec in enumerate(prepared.spec_token_ids) if spec]
-        if speculating:
-            # Eligible rows are greedy on their raw logits (Speculator.eligible): one argmax over every row's
-            # positions, then each row keeps the proposals that agree with it, and the argmax after them.
-            argmax = logits.argmax(dim=-1).tolist()
-            for i in speculating:
-                request, proposal = prepared.sample_requests[i], prepared.spec_token_ids[i]
-                targets = argmax[offsets[i] : offsets[i + 1]]
-                if request.sampling_params.logit_bias:  # the same bias at every position: the argmax of biased rows
-                    targets = _biased(logits[offsets[i] : offsets[i + 1]], request.sampling_params.logit_bias)
-                token_ids = [(token, None) for token in greedy_verified(proposal, targets)]
-                outputs.append(self._emit(request, token_ids, num_proposed=len(proposal)))
+        rows, proposals = prepared.sample_requests, prepared.spec_token_ids
+        num_emitted = 0
+        for request, proposal, drawn in zip(rows, proposals, self._sample(rows, proposals, logits), strict=True):
+            if not proposal:
+                outputs.append(self._emit(request, drawn))
+                num_emitted += 1
+                continue
+            # Speculative sampling for a deterministic proposer (rejection_sampler.py): keep the proposals while
+            # they are what the row drew at their position, then emit the draw after them.
+            kept = accepted_prefix(proposal, [token for token, _ in drawn])
+            outputs.append(self._emit(request, drawn[: kept + 1], num_proposed=len(proposal)))
+            num_emitted += kept + 1
         speculator = self.scheduler.speculator
         # Decode steps only: a prompt chunk's tokens cost far less each than a decoding row's, and a speculative
         # token costs what a decoding row's does.
         if speculator is not None and all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched.scheduled):
-            speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
+            speculator.observe_step(
+                sched.num_batched_tokens,
+                time.perf_counter() - started,
+                num_rows=len(rows),
+                num_emitted=num_emitted,
+                speculated=any(proposals),
+            )
         return outputs
 
-    def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[list[tuple[int, TokenLogprobs | None]]]:
-        """One token (and its logprobs, when asked) for each row, by the sampler."""
-        constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
+    def _sample(
+        self, rows: list[Request], proposals: list[list[int]], logits: torch.Tensor
+    ) -> list[list[tuple[int, TokenLogprobs | None]]]:
+        """What each row draws at each of its positions (one, or 1 + its proposal's length: the logits rows of
+        runner.PreparedStep), with its logprobs when asked, in one sampler call. Position j of a row that verifies a
+        proposal is sampled as the row would be had it kept the first j proposals: its output so far (for
+        penalties), its grammar's mask and its forbidden tokens (min_tokens) all include them. A seeded row draws
+        each position with that position's own generator (sampler.position_generator), so what it draws does not
+        depend on whether the position was speculated."""
+        params: list[SamplingParams] = []
+        generators: list[torch.Generator | None] = []
+        outputs: list[list[int]] = []
+        forbidden: list[frozenset[int]] = []
+        prompts: list[list[int]] = []
+        constrained: list[tuple[int, GrammarState, list[int]]] = []
+        for request, proposal in zip(rows, proposals, strict=True):
+            row_params = request.sampling_params
+            seed = None if row_params.is_greedy else row_params.seed
+            if request.grammar is not None:
+                constrained.append((len(params), request.grammar, proposal))
+            done = request.output_token_ids
+            for j in range(len(proposal) + 1):
+                params.append(row_params)
+                outputs.append(done if j == 0 else done + proposal[:j])
+                forbidden.append(self.outputs.forbidden_tokens(request, ahead=j))
+                prompts.append(request.prompt_token_ids)
+                generators.append(None if seed is None else position_generator(seed, len(done) + j, self.device))
         metadata = SamplingMetadata.build(
-            [r.sampling_params for r in rows],
-            [r.generator for r in rows],
-            [r.output_token_ids for r in rows],
-            forbidden_token_ids=[self.outputs.forbidden_tokens(r) for r in rows],
+            params,
+            generators,
+            outputs,
+            forbidden_token_ids=forbidden,
             default_generator=self._default_generator,
             device=self.device,
-            prompt_token_ids=[r.prompt_token_ids for r in rows],
-            grammar=fill_bitmasks(constrained, len(rows), self.model_config.vocab_size, self.grammars.json_safe)
+            prompt_token_ids=prompts,
+            grammar=fill_bitmasks(constrained, len(params), self.model_config.vocab_size, self.grammars.json_safe)
             if constrained
             else None,
         )
         sampled = self.sampler.sample(logits, metadata)
-        return [
-            [(sampled.token_ids[i], sampled.logprobs[i] if sampled.logprobs is not None else None)]
-            for i in range(len(rows))
-        ]
+        drawn: list[list[tuple[int, TokenLogprobs | None]]] = []
+        start = 0
+        for proposal in proposals:
+            end = start + len(proposal) + 1
+            drawn.append(
+                [
+                    (sampled.token_ids[i], sampled.logprobs[i] if sampled.logprobs is not None else None)
+                    for i in range(start, end)
+                ]
+            )
+            start = end
+        return drawn
 
     def _emit(
         self, request: Request, token_ids: list[tuple[int, TokenLogprobs | None]], *, num_proposed: int = 0
@@ -462,13 +515,3 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request uses (vLLM's reset_prefix_cache); returns how many."""
         return self.kv.prefix_cache.clear() if self.kv.prefix_cache is not None else 0
-
-
-def _biased(logits: torch.Tensor, logit_bias: tuple[tuple[int, float], ...]) -> list[int]:
-    """The argmax of each row of `logits` [positions, vocab] after `logit_bias` is added (the sampler's first
-    adjustment, the same at every position)."""
-    tokens = torch.tensor([token for token, _ in logit_bias], dtype=torch.int64, device=logits.device)
-    biases = torch.tensor([bias for _, bias in logit_bias], dtype=logits.dtype, device=logits.device)
-    biased = logits.clone()
-    biased[:, tokens] += biases
-    return [int(token) for token in biased.argmax(dim=-1).tolist()]

@@ -14,11 +14,15 @@ decoding row of every step, and the policy decides how many of its tokens are ve
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from loraplex.engine.core.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:  # request.py imports this module (a request keeps its NgramIndex)
+    from loraplex.engine.core.request import Request
 
 
 def propose_ngram(token_ids: Sequence[int] | np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
@@ -66,7 +70,10 @@ class NgramIndex:
 
 
 class NgramProposer:
-    """The n-gram method of a SpeculativeConfig."""
+    """The n-gram method of a SpeculativeConfig. A row's index lives on its request (`Request.ngram_index`, made on
+    first use), so it goes with the request and there is nothing to release."""
+
+    pays_per_token = False  # a lookup: the speculator may ask for as many tokens as a row could verify
 
     def __init__(self, config: SpeculativeConfig) -> None:
         if config.method != "ngram":
@@ -79,6 +86,19 @@ class NgramProposer:
         """A new request's index (the speculator keeps one per request)."""
         return NgramIndex(min_n=self._min_n, max_n=self._max_n)
 
-    def propose(self, index: NgramIndex, token_ids: Sequence[int], k: int) -> list[int]:
+    def propose_one(self, index: NgramIndex, token_ids: Sequence[int], k: int) -> list[int]:
         """At most min(k, num_speculative_tokens) tokens for a row whose tokens so far are `token_ids`."""
         return index.propose(token_ids, min(k, self._max_k))
+
+    def propose(self, rows: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        """The speculator's interface: `propose_one` for each row, at most limits[i] tokens for row i."""
+        proposals: list[list[int]] = []
+        for request, limit in zip(rows, limits, strict=True):
+            if request.ngram_index is None:
+                request.ngram_index = self.index()
+            tokens = request.prompt_token_ids + request.output_token_ids
+            proposals.append(self.propose_one(request.ngram_index, tokens, limit))
+        return proposals
+
+    def release(self, request: Request) -> None:
+        """Nothing to drop: the request's index goes with it."""

@@ -48,10 +48,11 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def forbidden_tokens(self, request: Request) -> frozenset[int]:
-        """Tokens the request may not sample yet (stop and EOS tokens before min_tokens)."""
+    def forbidden_tokens(self, request: Request, *, ahead: int = 0) -> frozenset[int]:
+        """Tokens the request may not sample yet (stop and EOS tokens before min_tokens); with `ahead`, at the
+        position that many tokens further on (a speculative proposal's)."""
         params = request.sampling_params
-        if len(request.output_token_ids) >= params.min_tokens:
+        if len(request.output_token_ids) + ahead >= params.min_tokens:
             return frozenset()
         stops = frozenset(params.stop_token_ids or ())
         return stops if params.ignore_eos else stops | self.eos_token_ids

@@ -11,6 +11,13 @@ q[0..k) (a deterministic proposer, such as n-gram lookup, has q[j] one-hot at d[
 A greedy row's p[j] is one-hot at its argmax: it keeps d[j] exactly when d[j] is the argmax and otherwise emits
 the argmax, which is token for token what the row would produce without speculation. The caller draws the uniforms
 (a seeded row's from its own generator), so a row's result depends on its generator and its distributions only.
+
+The engine's proposers (n-gram lookup, a draft model's argmax) are deterministic: q[j] is one-hot at d[j]. Then
+the rule is: keep d[j] with probability p[j][d[j]], else emit a token drawn from p[j] without d[j], renormalized.
+Drawing x[j] ~ p[j] and keeping d[j] iff x[j] == d[j], else emitting x[j], is that rule exactly (x[j] == d[j] has
+probability p[j][d[j]], and x[j] given x[j] != d[j] is p[j] without d[j], renormalized). So the engine verifies by
+sampling each position as the sampler samples it without speculation (`accepted_prefix`): the same distribution,
+and for a seeded row, drawn from the same per-position generator, the same tokens.
 """
 
 from __future__ import annotations
@@ -79,11 +86,13 @@ def verify(
     return Verified(token_ids=token_ids, num_accepted=num_accepted)
 
 
-def greedy_verified(proposal: list[int], argmax: list[int]) -> list[int]:
-    """`verify` for one greedy row, on host lists: the proposals that agree with the target's argmax at their
-    position, then the argmax after them (`argmax` has len(proposal) + 1 entries). Equal to verify() with p one-hot
-    at the argmax, without a tensor op per row."""
+def accepted_prefix(proposal: list[int], drawn: list[int]) -> int:
+    """How many of a row's proposals it keeps, given `drawn`: the token the row samples at each position (len(proposal)
+    + 1 of them; position j sampled as if the first j proposals were kept). It keeps proposals while they equal what
+    was drawn, and then emits drawn[kept]: `verify` for a deterministic proposer (the module's last paragraph)."""
+    if len(drawn) != len(proposal) + 1:
+        raise ValueError(f"{len(proposal)} proposals need {len(proposal) + 1} drawn tokens, not {len(drawn)}")
     kept = 0
-    while kept < len(proposal) and proposal[kept] == argmax[kept]:
+    while kept < len(proposal) and proposal[kept] == drawn[kept]:
         kept += 1
-    return [*proposal[:kept], argmax[kept]]
+    return kept

@@ -11,8 +11,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from loraplex.engine.core.ngram_proposer import NgramIndex
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.speculation_policy import AcceptanceEstimate
@@ -42,7 +40,6 @@ class Request:
     max_tokens: int  # resolved: min(params.max_tokens, room left in the context)
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None  # per-request randomness when the request has a seed
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     blocks: SequenceBlocks = field(default_factory=SequenceBlocks)  # its KV blocks (the KV cache manager's)

@@ -33,7 +33,10 @@ cost a CPU more than the whole rest of sampling (decision 0019), so neither is u
 
 Seeds: a seeded row's uniforms come from its own generator, one per draw, and every operation above works
 within a row, so its tokens depend only on its generator and its logits, never on the batch around it.
-Unseeded rows draw their uniforms together from the step's default generator.
+Unseeded rows draw their uniforms together from the step's default generator. The engine gives a seeded request
+a fresh generator for each output position, `position_generator(seed, position)`: its token at a position then
+depends on the seed, the position and the logits only, whether that position is sampled alone or as one of the
+positions a speculating row verifies at once.
 """
 
 from __future__ import annotations
@@ -55,6 +58,24 @@ _BLOCK = 128  # tokens per block of the two-level inverse CDF
 # Rejection rounds are few (see the module docstring); the cap only bounds a pathological row (NaN logits),
 # which then takes its most likely token, a token every filter keeps.
 _MAX_DRAW_ROUNDS = 64
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_generator(seed: int, position: int, device: torch.device | str) -> torch.Generator:
+    """The generator a request with `seed` samples its output token at `position` (0 for the first) with: seeded
+    from the two alone (splitmix64, so nearby seeds and positions give unrelated streams)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1)
+    return generator
 
 
 @dataclass(frozen=True, slots=True)

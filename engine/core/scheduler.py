@@ -412,6 +412,8 @@ class Scheduler:
             if request in self.waiting:
                 self._dequeue(request)
         self.memory.finished(request)
+        if self.speculator is not None:
+            self.speculator.proposer.release(request)
         request.status = status
         key = request.fairness_key
         self._num_active[key] -= 1

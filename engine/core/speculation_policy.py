@@ -23,7 +23,7 @@ speculate, so a row switched off is tried again later.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -139,3 +139,77 @@ def plan_speculative_lengths(
     chosen = chosen[flat[chosen] >= min_gain]
     counts = np.bincount(chosen // width, minlength=num_rows)
     return [int(c) for c in counts]
+
+
+def batch_bucket(num_rows: int) -> int:
+    """The gate's bucket of a step with `num_rows` decoding rows: exact up to 4 rows, then half octaves (5, 6-8,
+    9-11, 12-16, 17-22, ...), so the steps compared in a bucket have about the same size."""
+    if num_rows <= 4:
+        return num_rows
+    return 4 + int(np.ceil(2 * np.log2(num_rows / 4) - 1e-9))
+
+
+@dataclass(slots=True)
+class _GateBucket:
+    rate_on: float = 0.0  # forgotten mean emitted tokens per second of decode steps that verified proposals
+    rate_off: float = 0.0  # the same for decode steps that did not
+    num_on: int = 0
+    num_off: int = 0
+    steps: int = 0  # decisions made in this bucket
+
+
+@dataclass(slots=True)
+class SpeculationGate:
+    """Whether to speculate at all in a step, from what speculation measured at this batch size.
+
+    The per-row policy (`plan_speculative_lengths` with the cost model's min_gain) predicts what a proposal brings;
+    the gate checks the prediction against the clock. Per bucket of decoding rows (`batch_bucket`) it keeps the
+    emitted tokens per second of decode steps that verified proposals and of those that did not (means that forget,
+    so they follow the load), and speculates where the first is higher. Each side is measured `warmup` times before
+    they are compared, and the side not chosen is tried again one step in `explore_every` (in four times as many
+    where one side is faster by half again or more), so a bucket that turned against speculation (or for it) is
+    noticed. At worst a bucket runs one step in `explore_every` the slower way.
+    """
+
+    explore_every: int = 24
+    warmup: int = 3
+    forget: float = 0.8
+    buckets: dict[int, _GateBucket] = field(default_factory=dict)
+
+    def _bucket(self, num_rows: int) -> _GateBucket:
+        return self.buckets.setdefault(batch_bucket(num_rows), _GateBucket())
+
+    def allows(self, num_rows: int) -> bool:
+        """Whether a decode step of `num_rows` rows may speculate (counts as the bucket's decision for the step)."""
+        bucket = self._bucket(num_rows)
+        bucket.steps += 1
+        if bucket.num_on < self.warmup:
+            return True
+        if bucket.num_off < self.warmup:
+            return False
+        better = bucket.rate_on >= bucket.rate_off
+        ratio = bucket.rate_on / bucket.rate_off if bucket.rate_off > 0 else float("inf")
+        # A clear winner (by half again or more) is checked four times less often: checks cost the gap each time.
+        every = self.explore_every if 2 / 3 <= ratio <= 3 / 2 else 4 * self.explore_every
+        return better != (bucket.steps % every == 0)
+
+    def observe(self, num_rows: int, *, speculated: bool, num_emitted: int, seconds: float) -> None:
+        """Book a decode step of `num_rows` rows that emitted `num_emitted` tokens in `seconds`, and whether it verified
+        any proposal."""
+        if seconds <= 0:
+            return
+        bucket = self._bucket(num_rows)
+        rate = num_emitted / seconds
+        if speculated:
+            bucket.rate_on = rate if bucket.num_on == 0 else self.forget * bucket.rate_on + (1 - self.forget) * rate
+            bucket.num_on += 1
+        else:
+            bucket.rate_off = rate if bucket.num_off == 0 else self.forget * bucket.rate_off + (1 - self.forget) * rate
+            bucket.num_off += 1
+
+    def ratio(self, num_rows: int) -> float | None:
+        """Measured speculating / not tokens per second at this batch size (None until both were measured)."""
+        bucket = self.buckets.get(batch_bucket(num_rows))
+        if bucket is None or bucket.num_on == 0 or bucket.num_off == 0 or bucket.rate_off <= 0:
+            return None
+        return bucket.rate_on / bucket.rate_off

@@ -6,21 +6,27 @@ verifies in the step's free room, and returns them; the scheduler grows those ro
 preempting for it). After the forward, the engine verifies (rejection_sampler.py), emits what was kept plus one
 token, and books each row's outcome here (its acceptance estimate and the counters /metrics reads).
 
-Eligible rows, for now: greedy, with no penalties, logits processors, grammar, logprobs or pending min_tokens
-(logit_bias is fine: it is the same at every position). For them the target at each proposed position is the
-argmax of the raw logits plus their bias, so verification is exact token for token. The other rows decode one token
-per step as without speculation.
+Every row speculates but one with logits processors: a processor is the caller's code, which may keep state and
+must see each position once, in order. A verifying row's positions are sampled as the sampler samples any row
+(engine_core._sample), each as if the proposals before it were kept (penalties, grammar mask, min_tokens), so
+greedy rows are token for token what they would be without speculation, random rows keep the target's
+distribution (rejection_sampler.py), and logprobs are the target's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from loraplex.engine.core.ngram_proposer import NgramProposer
 from loraplex.engine.core.request import Request
-from loraplex.engine.core.sampling_params import GREEDY_TEMPERATURE
-from loraplex.engine.core.speculation_policy import StepCostModel, free_tokens, plan_speculative_lengths
+from loraplex.engine.core.speculation_policy import (
+    SpeculationGate,
+    StepCostModel,
+    free_tokens,
+    plan_speculative_lengths,
+)
 from loraplex.engine.core.speculative_config import SpeculativeConfig
 
 
@@ -48,36 +54,52 @@ class SpeculationStats:
         counts.num_emitted += emitted
 
 
+class Proposer(Protocol):
+    """Where proposed tokens come from: the n-gram lookup (ngram_proposer.py) or a draft model (draft_model.py)."""
+
+    # True when proposing costs per token (a model call per position): the speculator then asks each row for no more
+    # tokens than the policy would let it verify; False (a lookup) asks for as many as the row may verify at all.
+    pays_per_token: bool
+
+    def propose(self, rows: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        """Proposed tokens for each row, at most limits[i] (and the method's num_speculative_tokens) for row i;
+        [] for none. A row's tokens are its prompt and output as they are now."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """A request left the engine: drop whatever the proposer keeps of it."""
+        ...
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, *, knee_tokens: int) -> None:
-        if config.method != "ngram":
-            raise ValueError("only the ngram speculative method is served so far; draft_model is not yet")
+    def __init__(self, config: SpeculativeConfig, *, knee_tokens: int, proposer: Proposer | None = None) -> None:
+        """`proposer` defaults to the n-gram lookup of an ngram config; a draft_model config needs its
+        DraftModelProposer (EngineCore builds it: it needs the model loaded and the page pool)."""
         if knee_tokens < 1:
             raise ValueError("the speculation knee must be at least one token")
+        if proposer is None:
+            if config.method != "ngram":
+                raise ValueError("a draft_model speculator needs its DraftModelProposer")
+            proposer = NgramProposer(config)
         self.config = config
         self.knee_tokens = knee_tokens
-        self.proposer = NgramProposer(config)
+        self.proposer: Proposer = proposer
         self.stats = SpeculationStats()
         self.cost = StepCostModel()  # the engine's measured step times: what a speculative token costs here
+        self.gate = SpeculationGate()  # whether speculating steps emit faster than the others, per batch size
 
     @staticmethod
     def eligible(request: Request) -> bool:
-        """Whether the row's verification is exact with the argmax of its biased logits (the module's docstring)."""
-        params = request.sampling_params
-        return (
-            params.temperature < GREEDY_TEMPERATURE
-            and not params.logits_processors
-            and params.presence_penalty == 0
-            and params.frequency_penalty == 0
-            and params.repetition_penalty == 1
-            and params.logprobs is None
-            and request.grammar is None
-            and len(request.output_token_ids) >= params.min_tokens
-        )
+        """Whether the row may verify proposals (the module's docstring: all but rows with logits processors)."""
+        return not request.sampling_params.logits_processors
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """Book a decode step's size (rows plus their proposals) and how long it took (schedule to outputs)."""
+    def observe_step(
+        self, num_tokens: int, seconds: float, *, num_rows: int, num_emitted: int, speculated: bool
+    ) -> None:
+        """Book a decode step: its size (rows plus their proposals), how long it took (schedule to outputs), its
+        rows, the tokens they emitted, and whether any verified proposals."""
         self.cost.observe(num_tokens, seconds)
+        self.gate.observe(num_rows, speculated=speculated, num_emitted=num_emitted, seconds=seconds)
 
     def plan(
         self, rows: Sequence[Request], *, scheduled_tokens: int, token_budget: int, num_sampling_rows: int
@@ -92,19 +114,18 @@ class Speculator:
         proposal only after its first), so a busy step pays nothing for speculation."""
         chosen: list[list[int]] = [[] for _ in rows]
         room = free_tokens(scheduled_tokens=scheduled_tokens, token_budget=token_budget, knee_tokens=self.knee_tokens)
+        if room > 0 and not self.gate.allows(max(1, num_sampling_rows)):  # measured not to pay at this batch size
+            room = 0
         rates = [request.acceptance.rate for request in rows]
         min_gain = self.cost.min_gain(num_tokens=scheduled_tokens, num_rows=max(1, num_sampling_rows))
         ranked = sorted((i for i, rate in enumerate(rates) if rate >= min_gain), key=lambda i: -rates[i])
         candidates = ranked[:room]
-        proposals: list[list[int]] = []
-        for i in candidates:
-            request = rows[i]
-            # The row emits its kept proposals and one token more: never past its max_tokens.
-            limit = request.max_tokens - len(request.output_token_ids) - 1
-            if request.ngram_index is None:
-                request.ngram_index = self.proposer.index()
-            tokens = request.prompt_token_ids + request.output_token_ids
-            proposals.append(self.proposer.propose(request.ngram_index, tokens, limit))
+        # The row emits its kept proposals and one token more: never past its max_tokens.
+        limits = [rows[i].max_tokens - len(rows[i].output_token_ids) - 1 for i in candidates]
+        if self.proposer.pays_per_token:  # what the policy would verify of full-length proposals, no more
+            full = [min(limit, self.config.num_speculative_tokens) for limit in limits]
+            limits = plan_speculative_lengths([rates[i] for i in candidates], full, free_tokens=room, min_gain=min_gain)
+        proposals = self.proposer.propose([rows[i] for i in candidates], limits) if candidates else []
         lengths = plan_speculative_lengths(
             [rates[i] for i in candidates], [len(p) for p in proposals], free_tokens=room, min_gain=min_gain
         )

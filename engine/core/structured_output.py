@@ -4,7 +4,8 @@ and give each step's constrained rows their masks of allowed tokens.
 - `GrammarCompiler` turns a `StructuredOutputsParams` into xgrammar's compiled grammar, cached by the spec's hash
   (a bounded LRU shared by every request of the engine), and refuses what it cannot enforce as a RequestError.
 - `GrammarState` is one request's matcher: the sampler's mask comes from it, the output processor advances it.
-- `fill_bitmasks` fills one bitmask for all the constrained rows of a step.
+- `fill_bitmasks` fills one bitmask for all the constrained rows of a step, and for a row that verifies speculative
+  proposals, one mask per position: the mask after each prefix of its proposal, the matcher walked ahead and back.
 
 JSON is generated compactly (xgrammar's `any_whitespace=False`: one space after `,` and `:`, none elsewhere), so a
 weak model cannot spend its budget on whitespace; and tokens holding a raw control character are never allowed in
@@ -242,6 +243,27 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, index)
 
+    def fill_ahead(self, bitmask: torch.Tensor, index: int, proposal: Sequence[int]) -> None:
+        """Fill rows index .. index + len(proposal): row index + j the mask after the first j proposed tokens, as if
+        they had been accepted. The matcher ends where it began (xgrammar's rollback). Past a proposed token the
+        grammar refuses or that ends it, the rows repeat the last mask: a row's verification stops at such a token
+        (it is masked out, or ends the output), so those positions are never emitted."""
+        matcher = self._matcher
+        matcher.fill_next_token_bitmask(bitmask, index)
+        walked = 0
+        for token in proposal:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            walked += 1
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(bitmask, index + walked)
+        last = index + walked
+        if walked < len(proposal):
+            bitmask[last + 1 : index + len(proposal) + 1] = bitmask[last]
+        if walked:
+            matcher.rollback(walked)
+
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False if the grammar does not allow it."""
         return bool(self._matcher.accept_token(token_id))
@@ -277,21 +299,31 @@ def apply_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
 
 
 def fill_bitmasks(
-    states: Sequence[tuple[int, GrammarState]], num_rows: int, vocab_size: int, json_safe: torch.Tensor | None
+    states: Sequence[tuple[int, GrammarState, Sequence[int]]],
+    num_rows: int,
+    vocab_size: int,
+    json_safe: torch.Tensor | None,
 ) -> GrammarMasks | None:
-    """The masks of a step of `num_rows` rows whose constrained rows are `states` (row index, its state); None when
-    there are none."""
+    """The masks of a step of `num_rows` rows whose constrained requests are `states` (first row, its state, the
+    proposal it verifies: [] for none); a request takes rows first .. first + len(proposal) (GrammarState.fill_ahead).
+    None when there are none."""
     if not states:
         return None
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(num_rows, vocab_size)
-    for row, state in states:
-        state.fill(bitmask, row)
-    if json_safe is not None:
-        json_rows = [row for row, state in states if state.is_json]
-        if json_rows:
-            index = torch.tensor(json_rows, dtype=torch.int64)
-            bitmask[index] &= json_safe[: bitmask.shape[1]]
-    rows = torch.tensor([row for row, _ in states], dtype=torch.int64)
-    return GrammarMasks(rows=rows, bitmask=bitmask)
+    rows: list[int] = []
+    json_rows: list[int] = []
+    for row, state, proposal in states:
+        if proposal:
+            state.fill_ahead(bitmask, row, proposal)
+        else:
+            state.fill(bitmask, row)
+        span = range(row, row + len(proposal) + 1)
+        rows.extend(span)
+        if state.is_json:
+            json_rows.extend(span)
+    if json_safe is not None and json_rows:
+        index = torch.tensor(json_rows, dtype=torch.int64)
+        bitmask[index] &= json_safe[: bitmask.shape[1]]
+    return GrammarMasks(rows=torch.tensor(rows, dtype=torch.int64), bitmask=bitmask)

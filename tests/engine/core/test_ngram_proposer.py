@@ -71,6 +71,6 @@ def test_the_index_proposes_what_the_scan_does_as_a_sequence_grows() -> None:
 
 def test_the_proposer_caps_at_the_configured_length() -> None:
     proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1))
-    assert proposer.propose(proposer.index(), [1, 2, 3, 4, 1], k=8) == [2, 3]
+    assert proposer.propose_one(proposer.index(), [1, 2, 3, 4, 1], k=8) == [2, 3]
     with pytest.raises(ValueError, match="ngram"):
         NgramProposer(SpeculativeConfig(method="draft_model", model=__import__("pathlib").Path("d")))

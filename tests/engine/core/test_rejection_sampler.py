@@ -1,13 +1,15 @@
 """Speculative verification keeps the target's distribution, token for token for greedy rows and in law for random
 ones (a chi-square test on a tiny vocabulary, with drafts from another distribution and from a deterministic
-proposer), and depends only on the uniforms it is given."""
+proposer), and depends only on the uniforms it is given. The engine's form for deterministic proposers (sample every
+position, keep proposals while they match) is the same rule: in law for random rows, token for token for greedy
+ones."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loraplex.engine.core.rejection_sampler import greedy_verified, verify
+from loraplex.engine.core.rejection_sampler import accepted_prefix, verify
 
 pytestmark = pytest.mark.unit
 
@@ -108,7 +110,7 @@ def test_shapes_are_checked() -> None:
         verify(target, torch.zeros(2, 2, dtype=torch.int64), torch.tensor([1]), torch.rand(2, 2), torch.rand(2))
 
 
-def test_the_greedy_host_path_is_verify_on_one_hot_targets() -> None:
+def test_matching_drawn_tokens_is_verify_on_one_hot_targets() -> None:
     generator = torch.Generator().manual_seed(9)
     for _ in range(200):
         k = int(torch.randint(1, 5, (), generator=generator))
@@ -117,5 +119,41 @@ def test_the_greedy_host_path_is_verify_on_one_hot_targets() -> None:
         expected = verify(
             one_hot(argmax.tolist(), 3)[None], proposal[None], torch.tensor([k]), torch.rand(1, k), torch.rand(1)
         )
-        kept = int(expected.num_accepted[0])
-        assert greedy_verified(proposal.tolist(), argmax.tolist()) == expected.token_ids[0, : kept + 1].tolist()
+        kept = accepted_prefix(proposal.tolist(), argmax.tolist())
+        assert kept == int(expected.num_accepted[0])
+        assert [*proposal.tolist()[:kept], argmax.tolist()[kept]] == expected.token_ids[0, : kept + 1].tolist()
+
+
+def test_matching_drawn_tokens_emits_the_targets_distribution_as_verify_does() -> None:
+    """Sequences of 3 tokens on a 3-token vocabulary whose next-token law depends on the previous token: the engine's
+    form (draw each position from p given the proposals before it, keep while the draws match) against plain
+    sampling of the target, on the 27 possible sequences."""
+    generator = torch.Generator().manual_seed(77)
+    transition = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6], [0.3, 0.5, 0.2]])  # p(next | previous)
+    start = torch.tensor([0.5, 0.3, 0.2])
+    proposal = [0, 2]  # a fixed guess for the first two tokens, as n-gram lookup makes: sometimes right, sometimes not
+    num_runs = 30_000
+    counts = torch.zeros(27, dtype=torch.float64)
+    for _ in range(num_runs):
+        out: list[int] = []
+        while len(out) < 3:
+            guess = proposal[len(out) :]
+            # Position j's law given out + guess[:j] (as the engine's virtual rows see it).
+            contexts = [out + guess[:j] for j in range(len(guess) + 1)]
+            laws = [start if not c else transition[c[-1]] for c in contexts]
+            drawn = [int(torch.multinomial(law, 1, generator=generator)) for law in laws]
+            kept = accepted_prefix(guess, drawn)
+            out += [*guess[:kept], drawn[kept]]
+        counts[out[0] * 9 + out[1] * 3 + out[2]] += 1
+    expected = torch.tensor(
+        [float(start[a] * transition[a, b] * transition[b, c]) for a in range(3) for b in range(3) for c in range(3)],
+        dtype=torch.float64,
+    )
+    expected *= num_runs
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    assert statistic < 54.05  # the 0.999 quantile of chi-square with 26 degrees of freedom
+
+
+def test_accepted_prefix_needs_one_drawn_token_more_than_proposals() -> None:
+    with pytest.raises(ValueError, match="3 drawn tokens"):
+        accepted_prefix([1, 2], [1, 2])

@@ -1,5 +1,6 @@
 """The load-adaptive policy: speculation fills the step's free room with the proposals most likely to be kept, and
-stops when the room is gone; each row's acceptance estimate follows what its verifications saw."""
+stops when the room is gone; each row's acceptance estimate follows what its verifications saw; the gate turns
+speculation off at a batch size where speculating steps were measured slower, and keeps checking."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from loraplex.engine.core.speculation_policy import (
     DEFAULT_MIN_GAIN,
     PRIOR_RATE,
     AcceptanceEstimate,
+    SpeculationGate,
     StepCostModel,
+    batch_bucket,
     free_tokens,
     plan_speculative_lengths,
 )
@@ -121,3 +124,34 @@ def test_where_every_token_costs_its_share_no_proposal_pays() -> None:
         model.observe(tokens, 0.001 * tokens)  # no fixed cost at all
     assert model.min_gain(num_tokens=32, num_rows=32) == pytest.approx(1.0)
     assert plan_speculative_lengths([0.99], [4], free_tokens=100, min_gain=1.0) == [0]
+
+
+def run_gate(gate: SpeculationGate, num_rows: int, steps: int, rate_on: float, rate_off: float) -> list[bool]:
+    """`steps` decisions of a gate whose speculating steps emit `rate_on` tokens a second and the others `rate_off`."""
+    decisions = []
+    for _ in range(steps):
+        on = gate.allows(num_rows)
+        decisions.append(on)
+        gate.observe(num_rows, speculated=on, num_emitted=num_rows, seconds=num_rows / (rate_on if on else rate_off))
+    return decisions
+
+
+def test_the_gate_measures_both_ways_then_takes_the_faster_and_keeps_checking() -> None:
+    gate = SpeculationGate(explore_every=10, warmup=3)
+    first = run_gate(gate, 64, 6, rate_on=90.0, rate_off=100.0)
+    assert first == [True] * 3 + [False] * 3  # each side measured three times
+    later = run_gate(gate, 64, 100, rate_on=90.0, rate_off=100.0)
+    assert sum(later) == 10  # slower to speculate: only the checks, one step in ten
+    assert gate.ratio(64) == pytest.approx(0.9)
+    # The load changes and speculation pays again: the next check sees it, and the gate turns back.
+    turned = run_gate(gate, 64, 40, rate_on=150.0, rate_off=100.0)
+    assert sum(turned[20:]) == 18
+
+
+def test_buckets_keep_batch_sizes_apart() -> None:
+    gate = SpeculationGate(explore_every=10, warmup=2)
+    run_gate(gate, 1, 30, rate_on=200.0, rate_off=100.0)
+    run_gate(gate, 64, 30, rate_on=80.0, rate_off=100.0)
+    assert sum(run_gate(gate, 64, 20, rate_on=80.0, rate_off=100.0)) == 2  # one in ten checks the other way
+    assert sum(run_gate(gate, 1, 40, rate_on=200.0, rate_off=100.0)) == 39  # twice as fast: one in forty
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64)] == [1, 2, 3, 4, 5, 6, 6, 6, 7, 8, 9, 12]

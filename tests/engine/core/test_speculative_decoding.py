@@ -1,16 +1,20 @@
 """n-gram speculative decoding in the engine, on the demo model (trained: its greedy answers repeat themselves, as
 copy-heavy outputs do): greedy output is token for token the engine's without speculation, for base and LoRA rows
 in one batch, with chunked prefill, preemption and the prefix cache on; proposals are verified and mostly kept; a
-step without room speculates nothing; rows whose sampling is not plain greedy do not speculate yet."""
+step without room speculates nothing; rows of every sampling kind (penalties, logprobs, min_tokens, seeded sampling,
+grammars) speculate and answer as without it; rows with logits processors do not speculate."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from loraplex.engine import LLM, LoRARequest, SamplingParams
+from loraplex.engine import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
+from loraplex.engine.core.request import Request
 from loraplex.engine.core.speculative_config import SpeculativeConfig
 
 pytestmark = pytest.mark.unit
@@ -97,20 +101,88 @@ def test_a_step_without_room_speculates_nothing() -> None:
     assert totals(llm)[0] > 0
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.2),
-        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=1),
-    ],
-    ids=["penalty", "logprobs", "sampling"],
-)
-def test_rows_whose_sampling_is_not_plain_greedy_do_not_speculate_yet(params: SamplingParams) -> None:
+NAME = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 48}}, "required": ["name"]}
+GRAMMAR_PROMPT = 'Repeat it: {"name": "the for statement"} {"name": "the for statement"} {"name": "the'
+KINDS = {
+    "penalties": SamplingParams(
+        temperature=0.0,
+        max_tokens=40,
+        ignore_eos=True,
+        repetition_penalty=1.1,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+    ),
+    "logprobs": SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=3),
+    "min_tokens": SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30),
+    "seeded sampling": SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_tokens=40, ignore_eos=True, seed=7),
+    "seeded min_p, penalties, logprobs": SamplingParams(
+        temperature=0.9, min_p=0.05, max_tokens=40, ignore_eos=True, seed=11, presence_penalty=0.4, logprobs=2
+    ),
+    "grammar": SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=NAME)),
+    "seeded grammar": SamplingParams(
+        temperature=0.8, max_tokens=40, seed=3, structured_outputs=StructuredOutputsParams(json=NAME)
+    ),
+}
+
+
+def answers(outputs: list[Any]) -> list[tuple[list[int], str | None, list[tuple[int, float]] | None]]:
+    """Each answer's tokens, finish reason and (rounded) logprobs of its tokens."""
+    result = []
+    for o in outputs:
+        c = o.outputs[0]
+        logprobs = (
+            None
+            if c.logprobs is None
+            else [
+                (token, round(position[token].logprob, 3))
+                for token, position in zip(c.token_ids, c.logprobs, strict=True)
+            ]
+        )
+        result.append((list(c.token_ids), c.finish_reason, logprobs))
+    return result
+
+
+def test_rows_of_every_sampling_kind_speculate_and_answer_as_without_it() -> None:
+    """Penalties, logprobs, min_tokens, seeded sampling (top-p, top-k, min-p) and grammars, in one batch with greedy
+    base and LoRA rows: each answer is the engine's without speculation, token for token (a seeded row draws every
+    position from that position's own generator), logprobs included, and every kind verified proposals."""
+    prompts = [*PROMPTS[:4], GRAMMAR_PROMPT, GRAMMAR_PROMPT, PROMPTS[4]]
+    params = list(KINDS.values())
+    lora = LoRARequest("upper", str(UPPER))
+    loras = [lora if i % 3 == 1 else None for i in range(len(prompts))]
+    speculative = demo(speculative_config=NGRAM, speculative_knee_tokens=96)
+    got = speculative.generate(prompts, params, lora_request=loras)
+    expected = demo().generate(prompts, params, lora_request=loras)
+    assert answers(got) == answers(expected)
+    assert json.loads(got[5].outputs[0].text)["name"]  # the grammar held on speculated tokens
+    # Each kind speculated: alone in the engine, its row verified proposals.
+    for name, kind in KINDS.items():
+        alone = demo(speculative_config=NGRAM, speculative_knee_tokens=96)
+        prompt = GRAMMAR_PROMPT if kind.structured_outputs is not None else PROMPTS[0]
+        assert answers(alone.generate(prompt, kind)) == answers(demo().generate(prompt, kind)), name
+        assert totals(alone)[0] > 0, name
+
+
+def test_a_seeded_answer_does_not_depend_on_the_batch_around_it() -> None:
+    """With speculation the steps a row speculates in depend on the batch (its room); its answer does not."""
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=42)
+    alone = demo(speculative_config=NGRAM, speculative_knee_tokens=96).generate(PROMPTS[0], params)
+    crowded = demo(speculative_config=NGRAM, speculative_knee_tokens=8).generate(PROMPTS, params)
+    assert crowded[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_rows_with_logits_processors_do_not_speculate() -> None:
+    seen: list[int] = []
+
+    def count(output_ids: list[int], logits: Any) -> Any:
+        seen.append(len(output_ids))
+        return logits
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logits_processors=[count])
     llm = demo(speculative_config=NGRAM, speculative_knee_tokens=64)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
-    assert got == [o.outputs[0].token_ids for o in demo().generate(PROMPTS[:2], params)]
+    llm.generate(PROMPTS[0], params)
     assert totals(llm) == (0, 0)
+    assert seen == list(range(16))  # the processor saw each position once, in order
 
 
 def test_logit_bias_holds_on_speculated_tokens() -> None:
@@ -134,3 +206,48 @@ def test_stop_strings_and_max_tokens_hold_inside_speculated_tokens() -> None:
         (o.outputs[0].text, o.outputs[0].finish_reason) for o in expected
     ]
     assert all(len(o.outputs[0].token_ids) <= 37 for o in got)
+
+
+# How a verifying row's positions are sampled (EngineCore._sample), on crafted logits: position j sees the first j
+# proposals as its own output.
+
+
+def sample_positions(params: SamplingParams, proposal: list[int], favoured: list[tuple[int, float]]) -> list[int]:
+    """What a row with one output token so far draws at each position of `proposal` + 1, where every position's
+    logits are 0 but for `favoured` (token, logit)."""
+    engine = demo().engine
+    request = Request("r", [5, 6, 7], params, max_tokens=16, output_token_ids=[9])
+    vocab = engine.model_config.vocab_size
+    logits = torch.zeros(len(proposal) + 1, vocab)
+    for token, value in favoured:
+        logits[:, token] = value
+    (drawn,) = engine._sample([request], [proposal], logits)
+    return [token for token, _ in drawn]
+
+
+def test_a_position_is_penalized_for_the_proposals_before_it() -> None:
+    params = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    # Token 20 leads by 0.5; once it was proposed (and so would be in the output), its penalty puts 21 first.
+    assert sample_positions(params, [20, 20], [(20, 1.0), (21, 0.5)]) == [20, 21, 21]
+
+
+def test_min_tokens_counts_the_proposals_before_a_position() -> None:
+    eos = min(demo().engine.eos_token_ids)
+    params = SamplingParams(temperature=0.0, min_tokens=3)
+    # One token out: EOS is forbidden at positions 0 and 1 (outputs of 1 and 2 tokens), allowed at position 2.
+    assert sample_positions(params, [30, 30], [(eos, 2.0), (30, 1.0)]) == [30, 30, eos]
+
+
+def test_a_seeded_position_draws_what_it_would_draw_alone() -> None:
+    params = SamplingParams(temperature=1.0, seed=5)
+    favoured = [(t, 1.0) for t in range(40, 60)]
+    together = sample_positions(params, [40, 41, 42], favoured)
+    engine = demo().engine
+    vocab = engine.model_config.vocab_size
+    logits = torch.zeros(1, vocab)
+    for token, value in favoured:
+        logits[:, token] = value
+    for j, token in enumerate(together):
+        request = Request("r", [5, 6, 7], params, max_tokens=16, output_token_ids=[9, 40, 41, 42][: j + 1])
+        ((alone, _),) = engine._sample([request], [[]], logits)[0]
+        assert alone == token

@@ -10,9 +10,11 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from _support.checkpoints import tiny_spec
 
 from loraplex.engine import LLM, SamplingParams, StructuredOutputsParams
+from loraplex.engine.core.structured_output import GrammarState, unpack
 from loraplex.engine.errors import RequestError
 from loraplex.engine.tools.demo import write_random_model
 
@@ -230,3 +232,39 @@ def test_rows_without_a_grammar_are_not_touched(llm: LLM) -> None:
     assert mixed[0].outputs[0].token_ids == alone.outputs[0].token_ids
     for o in mixed[1:]:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS["arrays"])
+
+
+def test_masks_ahead_follow_a_proposal_and_leave_the_matcher_where_it_was(llm: LLM) -> None:
+    """A speculating row's masks (GrammarState.fill_ahead): row j is the mask after the first j proposed tokens, as a
+    matcher that accepted them gives it; past a token the grammar refuses, rows repeat the last mask; the matcher is
+    rolled back to where it was."""
+    import xgrammar
+
+    spec = StructuredOutputsParams(json=SCHEMAS["arrays"])
+    [answer] = llm.generate(["Hello"], [constrained(spec, 3)])
+    tokens = list(answer.outputs[0].token_ids)[:5]
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    compiled = engine.grammars.compile(spec)
+
+    reference = GrammarState(compiled, vocab)
+    expected = xgrammar.allocate_token_bitmask(len(tokens) + 1, vocab)
+    for j, token in enumerate([*tokens, None]):
+        reference.fill(expected, j)
+        if token is not None:
+            assert reference.accept(token)
+
+    state = GrammarState(compiled, vocab)
+    ahead = xgrammar.allocate_token_bitmask(len(tokens) + 1, vocab)
+    state.fill_ahead(ahead, 0, tokens)
+    assert torch.equal(ahead, expected)
+    # Rolled back: the next mask is the first one again, and the same walk gives the same masks.
+    again = xgrammar.allocate_token_bitmask(len(tokens) + 1, vocab)
+    state.fill_ahead(again, 0, tokens)
+    assert torch.equal(again, expected)
+
+    refused = next(t for t in range(vocab) if not bool(unpack(expected[1], vocab)[t]))
+    cut = xgrammar.allocate_token_bitmask(4, vocab)
+    state.fill_ahead(cut, 0, [tokens[0], refused, tokens[2]])
+    assert torch.equal(cut[:2], expected[:2])
+    assert torch.equal(cut[2], expected[1]) and torch.equal(cut[3], expected[1])

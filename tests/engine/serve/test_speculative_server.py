@@ -64,7 +64,11 @@ def test_the_sdk_gets_the_unspeculated_answer_and_metrics_count_the_speculation(
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [("{not json", "not valid JSON"), ('{"method": "medusa"}', "speculative method must be one of")],
+    [
+        ("{not json", "not valid JSON"),
+        ('{"method": "medusa"}', "speculative method must be one of"),
+        ('{"method": "draft_model"}', "needs 'model'"),
+    ],
 )
 def test_a_bad_speculative_config_is_refused_naming_the_option(value: str, message: str) -> None:
     result = CliRunner().invoke(engine_cli, ["serve", "--model", str(DEMO), "--speculative-config", value])
