@@ -155,7 +155,10 @@ class _GateBucket:
     rate_off: float = 0.0  # the same for decode steps that did not
     num_on: int = 0
     num_off: int = 0
-    steps: int = 0  # decisions made in this bucket
+    interval: int = 0  # steps between checks of the side not chosen (0: not set yet)
+    until_check: int = 0  # decisions left before the next check
+    checking: bool = False  # the last decision was a check; its step's outcome is the next observation
+    favoured: bool = True  # the side chosen before the check (True: speculate)
 
 
 @dataclass(slots=True)
@@ -166,14 +169,16 @@ class SpeculationGate:
     the gate checks the prediction against the clock. Per bucket of decoding rows (`batch_bucket`) it keeps the
     emitted tokens per second of decode steps that verified proposals and of those that did not (means that forget,
     so they follow the load), and speculates where the first is higher. Each side is measured `warmup` times before
-    they are compared, and the side not chosen is tried again one step in `explore_every` (in four times as many
-    where one side is faster by half again or more), so a bucket that turned against speculation (or for it) is
-    noticed. At worst a bucket runs one step in `explore_every` the slower way.
+    they are compared; then the side not chosen is checked again after `explore_every` steps, and after twice as
+    many each time a check leaves the choice as it was (up to `max_interval`), back to `explore_every` when a check
+    changes it. So a bucket that turned against speculation (or for it) is noticed, and a settled one pays for
+    checks less and less often: the losing side's cost falls below one step in `max_interval`.
     """
 
-    explore_every: int = 24
+    explore_every: int = 16
+    max_interval: int = 256
     warmup: int = 3
-    forget: float = 0.8
+    forget: float = 0.7
     buckets: dict[int, _GateBucket] = field(default_factory=dict)
 
     def _bucket(self, num_rows: int) -> _GateBucket:
@@ -182,16 +187,18 @@ class SpeculationGate:
     def allows(self, num_rows: int) -> bool:
         """Whether a decode step of `num_rows` rows may speculate (counts as the bucket's decision for the step)."""
         bucket = self._bucket(num_rows)
-        bucket.steps += 1
         if bucket.num_on < self.warmup:
             return True
         if bucket.num_off < self.warmup:
             return False
-        better = bucket.rate_on >= bucket.rate_off
-        ratio = bucket.rate_on / bucket.rate_off if bucket.rate_off > 0 else float("inf")
-        # A clear winner (by half again or more) is checked four times less often: checks cost the gap each time.
-        every = self.explore_every if 2 / 3 <= ratio <= 3 / 2 else 4 * self.explore_every
-        return better != (bucket.steps % every == 0)
+        favoured = bucket.rate_on >= bucket.rate_off
+        if bucket.interval == 0:
+            bucket.interval = bucket.until_check = self.explore_every
+        bucket.until_check -= 1
+        if bucket.until_check > 0:
+            return favoured
+        bucket.checking, bucket.favoured = True, favoured
+        return not favoured
 
     def observe(self, num_rows: int, *, speculated: bool, num_emitted: int, seconds: float) -> None:
         """Book a decode step of `num_rows` rows that emitted `num_emitted` tokens in `seconds`, and whether it verified
@@ -206,6 +213,11 @@ class SpeculationGate:
         else:
             bucket.rate_off = rate if bucket.num_off == 0 else self.forget * bucket.rate_off + (1 - self.forget) * rate
             bucket.num_off += 1
+        if bucket.checking:
+            bucket.checking = False
+            same = (bucket.rate_on >= bucket.rate_off) == bucket.favoured
+            bucket.interval = min(2 * bucket.interval, self.max_interval) if same else self.explore_every
+            bucket.until_check = bucket.interval
 
     def ratio(self, num_rows: int) -> float | None:
         """Measured speculating / not tokens per second at this batch size (None until both were measured)."""
