@@ -1,14 +1,17 @@
 """Speculative decoding against none, on the same model and engine, in one sitting.
 
-Two workloads on the demo model (demo/model, greedy, 64 tokens out):
-- copy: prompts that repeat a passage and start it a third time, the shape of edits and summaries, whose outputs
-  repeat spans of their prompt;
-- chat: the demo model's chat turns (ChatML), open questions about Python's documentation.
+Two workloads on the demo model (demo/model, greedy, 64 tokens out), every other request on the demo's "upper"
+LoRA adapter (so the figures per adapter are the base model's and the adapter's):
+- copy: the second turn of a chat in which the user asks the model to say its first answer again (the model's own
+  greedy answer is in the prompt): outputs that repeat spans of their prompt, the shape of edits and summaries;
+- chat: the demo model's first chat turns (ChatML), open questions about Python's documentation.
 Each at concurrency 1, 4, 16 and 64 (the engine's max_num_seqs; 2 x concurrency requests, at least 8, all submitted
-at once, so `concurrency` requests run at a time), with speculation off and with n-gram prompt lookup
-(num_speculative_tokens 4, prompt_lookup 2..4, the engine's defaults otherwise). Runs alternate off / n-gram and
-repeat; the medians are reported: output tokens per second, the ratio n-gram / off, and the acceptance figures
-(kept / proposed, mean kept per verifying row-step). The draft-model method is not served yet and is not run.
+at once, so `concurrency` requests run at a time), with speculation off, with n-gram prompt lookup
+(num_speculative_tokens 4, prompt_lookup 2..4) and with a draft model (the demo model's first layer with its
+embeddings, norm and head: engine/tools/draft.py, num_speculative_tokens 4); the engine's defaults otherwise, the
+load-adaptive policy and its gate included. Runs alternate off / n-gram / draft and repeat; the medians are
+reported: output tokens per second, each method's ratio to off, and the acceptance figures per adapter (kept /
+proposed, mean kept per verifying row-step, emitted per verifying row-step).
 
     .venv/bin/python benchmarks/speculative.py [--repeats 3] [--threads 2]
 
@@ -21,29 +24,26 @@ import argparse
 import json
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from loraplex.engine import LLM, SamplingParams
+from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.core.speculative_config import SpeculativeConfig
+from loraplex.engine.tools.draft import make_truncated_draft
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "demo" / "model"
+UPPER = LoRARequest("upper", str(REPO / "demo" / "adapters" / "upper"))
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+DRAFT_LAYERS = 1
 CONCURRENCY = (1, 4, 16, 64)
 MAX_TOKENS = 64
-PASSAGES = [
-    'The "for" statement is used to iterate over the elements of a sequence (such as a string, tuple or list).',
-    'The "if" statement is used for conditional execution: it selects exactly one of the suites.',
-    'The "while" statement is used for repeated execution as long as an expression is true.',
-    'The "try" statement specifies exception handlers and/or cleanup code for a group of statements.',
-    'The "with" statement is used to wrap the execution of a block with methods defined by a context manager.',
-    "The json module exposes an API familiar to users of the standard library marshal and pickle modules.",
-]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 QUESTIONS = [
     'Tell me about the "for" statement.',
     'What is the "json" module?',
@@ -56,16 +56,7 @@ QUESTIONS = [
 ]
 
 
-def copy_prompts(count: int) -> list[Any]:
-    prompts = []
-    for i in range(count):
-        passage = PASSAGES[i % len(PASSAGES)]
-        half = passage[: len(passage) // 2]
-        prompts.append(f"{passage}\n{passage}\n{half}")
-    return prompts
-
-
-def chat_prompts(llm: LLM, count: int) -> list[Any]:
+def chat_prompts(llm: LLM, count: int) -> list[str]:
     tokenizer = llm.get_tokenizer()
     return [
         tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
@@ -73,29 +64,51 @@ def chat_prompts(llm: LLM, count: int) -> list[Any]:
     ]
 
 
-def measure(llm: LLM, prompts: list[Any]) -> dict[str, float]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+def copy_prompts(llm: LLM, count: int) -> list[str]:
+    """Second turns: the question, the model's own first answer (greedy, as the adapter of the request's slot gives
+    it), and a request to say it again."""
+    tokenizer = llm.get_tokenizer()
+    first = llm.generate(
+        chat_prompts(llm, count), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), lora_request=loras(count)
+    )
+    return [
+        tokenizer.apply_chat_template(
+            [
+                {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
+                {"role": "assistant", "content": first[i].outputs[0].text},
+                {"role": "user", "content": "Say that again, please."},
+            ]
+        )
+        for i in range(count)
+    ]
+
+
+def loras(count: int) -> list[LoRARequest | None]:
+    return [UPPER if i % 2 else None for i in range(count)]
+
+
+def measure(llm: LLM, prompts: list[str]) -> dict[str, float]:
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, GREEDY, lora_request=loras(len(prompts)))
     elapsed = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed}
 
 
-def speculation_totals(llm: LLM) -> dict[str, float]:
+def speculation_figures(llm: LLM) -> dict[str, dict[str, float]]:
+    """Acceptance per adapter ("base" for the base model), from the speculator's books (the /metrics counters)."""
     speculator = llm.engine.scheduler.speculator
-    if speculator is None:
-        return {}
-    counts = list(speculator.stats.by_adapter.values())
-    proposed = sum(c.num_proposed for c in counts)
-    accepted = sum(c.num_accepted for c in counts)
-    steps = sum(c.num_steps for c in counts)
-    return {
-        "proposed": proposed,
-        "accepted": accepted,
-        "acceptance_rate": accepted / proposed if proposed else 0.0,
-        "mean_accepted_length": accepted / steps if steps else 0.0,
-    }
+    assert speculator is not None
+    figures = {}
+    for adapter, c in sorted(speculator.stats.by_adapter.items()):
+        figures[adapter or "base"] = {
+            "proposed": c.num_proposed,
+            "accepted": c.num_accepted,
+            "acceptance_rate": round(c.num_accepted / c.num_proposed, 3) if c.num_proposed else 0.0,
+            "mean_accepted_length": round(c.num_accepted / c.num_steps, 3) if c.num_steps else 0.0,
+            "mean_emitted_length": round(c.num_emitted / c.num_steps, 3) if c.num_steps else 0.0,
+        }
+    return figures
 
 
 def main() -> None:
@@ -105,43 +118,54 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    workdir = Path(tempfile.mkdtemp(prefix="loraplex-speculative-"))
+    draft_dir = make_truncated_draft(DEMO, workdir / "draft", DRAFT_LAYERS)
+    configs = {
+        "ngram": NGRAM,
+        "draft": SpeculativeConfig(method="draft_model", model=draft_dir, num_speculative_tokens=4),
+    }
+
     rows: list[dict[str, Any]] = []
     for concurrency in CONCURRENCY:
         common = {"device": "cpu", "dtype": "float32", "max_num_seqs": concurrency, "num_threads": args.threads}
-        engines = {"off": LLM(DEMO, **common), "ngram": LLM(DEMO, speculative_config=NGRAM, **common)}
+        off = LLM(DEMO, **common)
         count = max(8, 2 * concurrency)
-        workloads = {"copy": copy_prompts(count), "chat": chat_prompts(engines["off"], count)}
+        workloads = {"copy": copy_prompts(off, count), "chat": chat_prompts(off, count)}
         for workload, prompts in workloads.items():
-            for llm in engines.values():  # warm up: first-call costs out of the timed runs
-                llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-            runs: dict[str, list[dict[str, float]]] = {"off": [], "ngram": []}
-            spec_llm = LLM(DEMO, speculative_config=NGRAM, **common)  # fresh books for this workload's figures
+            # Fresh engines per workload: each one's books are this workload's figures.
+            engines = {"off": off} | {name: LLM(DEMO, speculative_config=c, **common) for name, c in configs.items()}
+            for llm in engines.values():  # warm up: first-call costs (adapter loads) out of the timed runs
+                llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8), lora_request=loras(2))
+            runs: dict[str, list[float]] = {name: [] for name in engines}
             for _ in range(args.repeats):
-                runs["off"].append(measure(engines["off"], prompts))
-                runs["ngram"].append(measure(spec_llm, prompts))
-            off = statistics.median(r["tokens_per_s"] for r in runs["off"])
-            ngram = statistics.median(r["tokens_per_s"] for r in runs["ngram"])
-            row = {
-                "workload": workload,
-                "concurrency": concurrency,
-                "requests": count,
-                "off_tokens_per_s": round(off, 1),
-                "ngram_tokens_per_s": round(ngram, 1),
-                "ngram_vs_off": round(ngram / off, 3),
-                **{k: round(v, 3) for k, v in speculation_totals(spec_llm).items()},
-            }
+                for name, llm in engines.items():
+                    runs[name].append(measure(llm, prompts)["tokens_per_s"])
+            medians = {name: statistics.median(values) for name, values in runs.items()}
+            row: dict[str, Any] = {"workload": workload, "concurrency": concurrency, "requests": count}
+            for name, value in medians.items():
+                row[f"{name}_tokens_per_s"] = round(value, 1)
+            for name in configs:
+                row[f"{name}_vs_off"] = round(medians[name] / medians["off"], 3)
+                row[f"{name}_acceptance"] = speculation_figures(engines[name])
             rows.append(row)
             print(json.dumps(row))
 
     result = {
         "benchmark": "speculative",
-        "model": "demo/model (4.0M parameters, float32)",
+        "model": "demo/model (4.0M parameters, float32), every other request on the demo's upper adapter",
         "max_tokens": MAX_TOKENS,
-        "speculative_config": {
-            "method": NGRAM.method,
-            "num_speculative_tokens": NGRAM.num_speculative_tokens,
-            "prompt_lookup_max": NGRAM.prompt_lookup_max,
-            "prompt_lookup_min": NGRAM.prompt_lookup_min,
+        "speculative_configs": {
+            "ngram": {
+                "method": "ngram",
+                "num_speculative_tokens": NGRAM.num_speculative_tokens,
+                "prompt_lookup_max": NGRAM.prompt_lookup_max,
+                "prompt_lookup_min": NGRAM.prompt_lookup_min,
+            },
+            "draft": {
+                "method": "draft_model",
+                "model": f"demo/model's first {DRAFT_LAYERS} layer(s) (engine/tools/draft.py)",
+                "num_speculative_tokens": 4,
+            },
             "knee_tokens": 128,
         },
         "repeats": args.repeats,
@@ -149,7 +173,6 @@ def main() -> None:
         "machine": {"processor": platform.processor() or platform.machine(), "python": platform.python_version()},
         "torch": torch.__version__,
         "rows": rows,
-        "not_run": "draft_model: not served yet",
     }
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
