@@ -61,6 +61,10 @@ class EngineConfig:
     # tokens at the measured step cost (speculation_policy.py), so a busy batch does not speculate at all.
     speculative_config: SpeculativeConfig | None = None
     speculative_knee_tokens: int = 128
+    # False: speculation decides from each row's acceptance and the step's room alone, never from the clock (no
+    # measured step cost, no gate), so how many proposals are verified does not depend on the machine's speed or
+    # load. Answers are the same either way; tests that count proposals use it.
+    speculative_use_clock: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPE_NAMES):

@@ -121,6 +121,8 @@ class EngineCore:
             if spec is not None and spec.model is not None
             else None
         )
+        if draft is not None:  # the draft's weights are the engine's too: they take memory the pool cannot have
+            self.weight_bytes += draft.model.weight_bytes()
         self.pool = self._create_pool()
         c = self.model_config
         kv_caches = [self.pool.kv_layer(i, c.num_kv_heads, config.block_size, c.head_dim) for i in range(c.num_layers)]
@@ -151,6 +153,7 @@ class EngineCore:
             speculator=Speculator(
                 spec,
                 knee_tokens=config.speculative_knee_tokens,
+                use_clock=config.speculative_use_clock,
                 proposer=DraftModelProposer(
                     spec,
                     draft,

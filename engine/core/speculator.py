@@ -22,6 +22,7 @@ from typing import Protocol
 from loraplex.engine.core.ngram_proposer import NgramProposer
 from loraplex.engine.core.request import Request
 from loraplex.engine.core.speculation_policy import (
+    DEFAULT_MIN_GAIN,
     SpeculationGate,
     StepCostModel,
     free_tokens,
@@ -72,9 +73,17 @@ class Proposer(Protocol):
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, *, knee_tokens: int, proposer: Proposer | None = None) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        *,
+        knee_tokens: int,
+        proposer: Proposer | None = None,
+        use_clock: bool = True,
+    ) -> None:
         """`proposer` defaults to the n-gram lookup of an ngram config; a draft_model config needs its
-        DraftModelProposer (EngineCore builds it: it needs the model loaded and the page pool)."""
+        DraftModelProposer (EngineCore builds it: it needs the model loaded and the page pool). Without `use_clock`
+        the plan ignores measured step times (EngineConfig.speculative_use_clock)."""
         if knee_tokens < 1:
             raise ValueError("the speculation knee must be at least one token")
         if proposer is None:
@@ -87,6 +96,7 @@ class Speculator:
         self.stats = SpeculationStats()
         self.cost = StepCostModel()  # the engine's measured step times: what a speculative token costs here
         self.gate = SpeculationGate()  # whether speculating steps emit faster than the others, per batch size
+        self.use_clock = use_clock
 
     @staticmethod
     def eligible(request: Request) -> bool:
@@ -114,10 +124,15 @@ class Speculator:
         proposal only after its first), so a busy step pays nothing for speculation."""
         chosen: list[list[int]] = [[] for _ in rows]
         room = free_tokens(scheduled_tokens=scheduled_tokens, token_budget=token_budget, knee_tokens=self.knee_tokens)
-        if room > 0 and not self.gate.allows(max(1, num_sampling_rows)):  # measured not to pay at this batch size
+        measured = self.use_clock and room > 0
+        if measured and not self.gate.allows(max(1, num_sampling_rows)):  # measured not to pay at this batch size
             room = 0
         rates = [request.acceptance.rate for request in rows]
-        min_gain = self.cost.min_gain(num_tokens=scheduled_tokens, num_rows=max(1, num_sampling_rows))
+        min_gain = (
+            self.cost.min_gain(num_tokens=scheduled_tokens, num_rows=max(1, num_sampling_rows))
+            if self.use_clock
+            else DEFAULT_MIN_GAIN
+        )
         ranked = sorted((i for i, rate in enumerate(rates) if rate >= min_gain), key=lambda i: -rates[i])
         candidates = ranked[:room]
         # The row emits its kept proposals and one token more: never past its max_tokens.

@@ -5,9 +5,12 @@ speculation off at a batch size where speculating steps were measured slower, an
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import pytest
 
+from loraplex.engine.core.request import Request
+from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.speculation_policy import (
     DEFAULT_MIN_GAIN,
     PRIOR_RATE,
@@ -18,6 +21,8 @@ from loraplex.engine.core.speculation_policy import (
     free_tokens,
     plan_speculative_lengths,
 )
+from loraplex.engine.core.speculative_config import SpeculativeConfig
+from loraplex.engine.core.speculator import Speculator
 
 pytestmark = pytest.mark.unit
 
@@ -159,3 +164,39 @@ def test_buckets_keep_batch_sizes_apart() -> None:
     assert sum(run_gate(gate, 64, 40, rate_on=80.0, rate_off=100.0)) <= 2
     assert sum(run_gate(gate, 1, 40, rate_on=200.0, rate_off=100.0)) >= 38
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64)] == [1, 2, 3, 4, 5, 6, 6, 6, 7, 8, 9, 12]
+
+
+class _FixedProposer:
+    """Proposes the same four tokens for every row."""
+
+    pays_per_token = False
+
+    def propose(self, rows: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        return [[5, 6, 7, 8][:limit] for limit in limits]
+
+    def release(self, request: Request) -> None:
+        pass
+
+
+def lone_row() -> Request:
+    return Request("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=64), max_tokens=64)
+
+
+@pytest.mark.parametrize("use_clock", [True, False])
+def test_without_the_clock_the_gate_and_the_step_cost_are_not_consulted(use_clock: bool) -> None:
+    """Steps measured both ways, speculating ones three times slower: with the clock the speculator stops proposing
+    (but for its checks); without it, it proposes as the room and the row's acceptance say, every step."""
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    speculator = Speculator(config, knee_tokens=64, proposer=_FixedProposer(), use_clock=use_clock)
+    for step in range(40):
+        speculated = step % 2 == 0
+        # Every token costs a step its full share (the cost model's min_gain is then 1), and speculating is slower.
+        tokens = 5 if speculated else 1
+        speculator.observe_step(tokens, 0.003 * tokens, num_rows=1, num_emitted=1, speculated=speculated)
+    plans = [
+        speculator.plan([lone_row()], scheduled_tokens=1, token_budget=256, num_sampling_rows=1)[0] for _ in range(10)
+    ]
+    if use_clock:
+        assert sum(1 for plan in plans if plan) <= 1
+    else:
+        assert plans == [[5]] * 10  # the prior rate (0.5) keeps one proposal above the 0.3 floor

@@ -36,6 +36,7 @@ def server() -> Iterator[tuple[str, AsyncEngine]]:
         served_model_name="demo",
         speculative_config=SpeculativeConfig.parse(NGRAM),
         speculative_knee_tokens=64,
+        speculative_use_clock=False,  # what is proposed and kept must not depend on this machine's load
     )
 
     async def app(engine: AsyncEngine, url: str) -> Litestar:
@@ -57,7 +58,7 @@ def test_the_sdk_gets_the_unspeculated_answer_and_metrics_count_the_speculation(
     lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines() if line.startswith("lora")}
     proposed = lines['loraplex_engine_spec_decode_num_draft_tokens_total{lora_name=""}']
     accepted = lines['loraplex_engine_spec_decode_num_accepted_tokens_total{lora_name=""}']
-    assert proposed > 0 and 0 <= accepted <= proposed  # how much is kept depends on the gate, which reads the clock
+    assert proposed > 0 and proposed / 3 < accepted <= proposed  # the demo model repeats itself
     assert lines['loraplex_engine_spec_decode_acceptance_rate{lora_name=""}'] == pytest.approx(accepted / proposed)
     assert lines['loraplex_engine_spec_decode_mean_accepted_length{lora_name=""}'] >= 0
 
