@@ -529,7 +529,7 @@ async def test_list_without_a_live_key_is_401(api: Client, world: World, route: 
 @dataclass(frozen=True)
 class AdminRoute:
     method: str
-    path: str  # "{tenant}" and "{key}" are filled in
+    path: str  # "{tenant}", "{key}" and "{base}" are filled in
     body: dict[str, Any] | None = None
     success: int = 200
 
@@ -545,6 +545,7 @@ ADMIN_ROUTES = {
         AdminRoute("POST", "/admin/tenants", {"name": "made"}, success=201),
         AdminRoute("GET", "/admin/base-models"),
         AdminRoute("POST", "/admin/base-models", {"name": "smuggled", "source": "/nowhere"}, success=201),
+        AdminRoute("PATCH", "/admin/base-models/{base}", {"speculative_config": {"method": "ngram"}}),
         AdminRoute("GET", "/admin/engines"),
     )
 }
@@ -575,13 +576,17 @@ async def test_admin_route(api: Client, world: World, tiny_base_checkpoint: Path
         key_id = (await new_key(api, tenant_id))[1]
         if body is not None and "source" in body:
             body["source"] = str(tiny_base_checkpoint)
-        path = spec.path.format(tenant=tenant_id, key=key_id)
+        base = f"{BASE}-{secrets.token_hex(4)}"  # and on a base model made for it
+        if "{base}" in spec.path:
+            registered = {"name": base, "source": str(tiny_base_checkpoint)}
+            assert (await api.post("/admin/base-models", json=registered, headers=ADMIN)).status_code == 201
+        path = spec.path.format(tenant=tenant_id, key=key_id, base=base)
         response = await api.request(spec.method, path, json=body, headers=ADMIN)
         assert response.status_code == spec.success, response.text
         return
 
     before = await admin_state(api, world)
-    path = spec.path.format(tenant=world.owner.id, key=world.owner.spare_key_id)
+    path = spec.path.format(tenant=world.owner.id, key=world.owner.spare_key_id, base=BASE)
     response = await api.request(spec.method, path, json=body, headers=credential_headers(credential, world))
     assert_problem(response, 401, "unauthenticated")
     assert response.headers["www-authenticate"] == "Bearer"
