@@ -392,7 +392,7 @@ class EngineCore:
                 time.perf_counter() - started,
                 num_rows=len(rows),
                 num_emitted=num_emitted,
-                speculated=any(proposals),
+                speculated=sched.speculation_asked,
             )
         return outputs
 

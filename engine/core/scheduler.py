@@ -92,6 +92,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # The speculator asked its proposer this step: the step paid for speculation (a draft's forwards), whether or not
+    # any proposal was verified, and the gate books it so.
+    speculation_asked: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -240,6 +243,7 @@ class Scheduler:
             token_budget=self.config.max_num_batched_tokens,
             num_sampling_rows=sum(1 for s in out.scheduled if s.completes_prompt),
         )
+        out.speculation_asked = speculator.asked
         for scheduled, proposal in zip(rows, plans, strict=True):
             if proposal and self.memory.can_grow(scheduled.request, 1 + len(proposal)):
                 self.memory.grow(scheduled.request, 1 + len(proposal))

@@ -97,6 +97,7 @@ class Speculator:
         self.cost = StepCostModel()  # the engine's measured step times: what a speculative token costs here
         self.gate = SpeculationGate()  # whether speculating steps emit faster than the others, per batch size
         self.use_clock = use_clock
+        self.asked = False  # the last plan asked the proposer (the step pays for it even if nothing is verified)
 
     @staticmethod
     def eligible(request: Request) -> bool:
@@ -107,8 +108,11 @@ class Speculator:
         self, num_tokens: int, seconds: float, *, num_rows: int, num_emitted: int, speculated: bool
     ) -> None:
         """Book a decode step: its size (rows plus their proposals), how long it took (schedule to outputs), its
-        rows, the tokens they emitted, and whether any verified proposals."""
-        self.cost.observe(num_tokens, seconds)
+        rows, the tokens they emitted, and whether it speculated: asked the proposer, even if no proposal came back
+        to verify. A draft's catch-up of rows it has not followed while the gate kept speculation off is paid in a
+        step that may verify nothing; booked as a step without speculation, it would make those look slower."""
+        if not speculated or num_tokens > num_rows:  # a step that asked and verified nothing: not a target's step
+            self.cost.observe(num_tokens, seconds)
         self.gate.observe(num_rows, speculated=speculated, num_emitted=num_emitted, seconds=seconds)
 
     def plan(
@@ -140,6 +144,7 @@ class Speculator:
         if self.proposer.pays_per_token:  # what the policy would verify of full-length proposals, no more
             full = [min(limit, self.config.num_speculative_tokens) for limit in limits]
             limits = plan_speculative_lengths([rates[i] for i in candidates], full, free_tokens=room, min_gain=min_gain)
+        self.asked = bool(candidates)
         proposals = self.proposer.propose([rows[i] for i in candidates], limits) if candidates else []
         lengths = plan_speculative_lengths(
             [rates[i] for i in candidates], [len(p) for p in proposals], free_tokens=room, min_gain=min_gain

@@ -94,7 +94,7 @@ def engine() -> None:
     help='Speculative decoding, in vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', or \'{"method": "draft_model", "model": PATH, '
     '"num_speculative_tokens": 4}\'. Each step speculates only in the room a busy batch leaves, and only where '
-    "speculating steps were measured faster; answers are the same as without it."
+    "speculating steps were measured faster; answers are the same as without it.",
 )
 @click.option(
     "--speculative-knee-tokens",

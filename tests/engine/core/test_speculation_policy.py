@@ -4,6 +4,7 @@ speculation off at a batch size where speculating steps were measured slower, an
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -200,3 +201,29 @@ def test_without_the_clock_the_gate_and_the_step_cost_are_not_consulted(use_cloc
         assert sum(1 for plan in plans if plan) <= 1
     else:
         assert plans == [[5]] * 10  # the prior rate (0.5) keeps one proposal above the 0.3 floor
+
+
+class _EmptyProposer(_FixedProposer):
+    """Asked, it spends (as a draft catching up would) and proposes nothing."""
+
+    def propose(self, rows: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        return [[] for _ in rows]
+
+
+def test_a_step_that_asked_the_proposer_counts_as_speculating_even_if_nothing_came_back() -> None:
+    """Its cost is speculation's: the gate books it on the speculating side, and the step-cost model (what a target
+    token costs) leaves it out."""
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    speculator = Speculator(config, knee_tokens=64, proposer=_EmptyProposer())
+    assert speculator.plan([lone_row()], scheduled_tokens=1, token_budget=256, num_sampling_rows=1) == [[]]
+    assert speculator.asked
+    before = dataclasses.replace(speculator.cost)
+    speculator.observe_step(1, 0.05, num_rows=1, num_emitted=1, speculated=speculator.asked)
+    bucket = speculator.gate.buckets[batch_bucket(1)]
+    assert (bucket.num_on, bucket.num_off) == (1, 0)
+    assert speculator.cost == before
+    speculator.observe_step(1, 0.05, num_rows=1, num_emitted=1, speculated=False)
+    assert speculator.cost != before  # an ordinary step is a target's step
+    # No room: the proposer is not asked, and the step is an ordinary one.
+    speculator.plan([lone_row()], scheduled_tokens=64, token_budget=256, num_sampling_rows=1)
+    assert not speculator.asked
