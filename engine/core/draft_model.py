@@ -20,7 +20,11 @@ budget is done over several steps, proposing nothing until it is complete.
 Draft pages never starve the target: a row takes them only where the pool has them now (free or evictable), else it
 proposes nothing this step; and between proposals they are evictable, so any allocation of the target takes them
 back (dropping that request's draft K/V, recomputed by a later catch-up) before the scheduler would preempt anyone.
-The draft runs without adapters: a request's LoRA does not change its proposals, only how many are kept.
+
+A row of a request whose adapter has a draft counterpart (draft_adapters.py: a `draft/` adapter beside its files)
+proposes with the draft under that LoRA once it is resident, and with the bare draft until then. A request's draft
+K/V are computed under one adapter: when the one its row runs with changes (the counterpart became resident, or was
+evicted and could not be placed again), its draft K/V are dropped and caught up again under the new one.
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loraplex.engine.core.draft_adapters import DraftAdapters
 from loraplex.engine.core.request import Request
 from loraplex.engine.core.speculative_config import SpeculativeConfig
+from loraplex.engine.lora.batch import LoraBatch, LoraStep
+from loraplex.engine.lora.manager import AdapterEntry, AdapterManager
 from loraplex.engine.memory.page_pool import KVLayer, PageId, PageKind, PagePool
 from loraplex.engine.model.config import ModelConfig
-from loraplex.engine.model.forward_batch import ForwardBatch
+from loraplex.engine.model.forward_batch import build_forward_batch
 from loraplex.engine.model.llama import LlamaModel
 from loraplex.engine.model.tokenizer import Tokenizer
 from loraplex.engine.model.weights import CheckpointTensors
@@ -110,6 +117,7 @@ class _DraftSequence:
     # Leading token_ids that were the request's real tokens when last compared: a request's tokens only grow
     # (outputs are appended; a preempted request keeps its output), so only the ones after them are compared again.
     num_real: int = 0
+    adapter: AdapterEntry | None = None  # the draft adapter (counterpart) its K/V were computed with; None: bare
 
 
 @dataclass(slots=True)
@@ -117,7 +125,7 @@ class _Row:
     """A row of one proposal: what its draft forwards compute."""
 
     index: int  # in the proposal's rows
-    seq: _DraftSequence
+    seq: _DraftSequence  # its `adapter` is resident and pinned for the proposal
     num_proposals: int  # k: proposals it makes (0 while its catch-up is not complete)
     catch_up: list[int]  # real tokens this proposal computes first (tokens[len(seq.token_ids) : ...])
 
@@ -136,7 +144,9 @@ class DraftModelProposer:
         pool: PagePool,
         block_size: int,
         max_num_batched_tokens: int,
+        adapters: AdapterManager | None = None,
     ) -> None:
+        """`adapters` is the target's adapter manager: with it, requests' adapters may have draft counterparts."""
         if config.method != "draft_model":
             raise ValueError(f"DraftModelProposer needs a draft_model speculative config, not {config.method!r}")
         c = draft.config
@@ -156,6 +166,7 @@ class DraftModelProposer:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._rows_per_page = pool.page_elems // c.head_dim  # head_dim rows of a page, in a layer's `rows` view
         self.kv_caches = [self._kv_layer(j, per_layer, block_elems) for j in range(c.num_layers)]
+        self.adapters = DraftAdapters(adapters, c, draft.model.device) if adapters is not None else None
         self._seqs: dict[Request, _DraftSequence] = {}
         self.num_evictions = 0  # requests' draft K/V the pool took back for other allocations, since start
 
@@ -201,10 +212,17 @@ class DraftModelProposer:
                 seq = self._seqs.get(request)
                 if seq is not None:
                     self.pool.unmark_evictable(("draft", seq))  # none of this step's rows evicts another's
+        if self.adapters is not None:
+            self.adapters.poll()
         budget = self.max_num_batched_tokens
         active: list[_Row] = []
         for i, request, tokens, k in planned:
             seq = self._seqs.setdefault(request, _DraftSequence())
+            if budget > 0:
+                adapter = self.adapters.pin(request) if self.adapters is not None else None
+                if adapter is not seq.adapter:  # K/V under one adapter only: all of it is computed again
+                    self._truncate(seq, 0)
+                    seq.adapter = adapter
             # At least the last real token is computed again: its draft logits propose the first token.
             self._truncate(seq, _common_prefix(seq.token_ids, tokens, len(tokens) - 1, known=seq.num_real))
             seq.num_real = len(seq.token_ids)
@@ -218,8 +236,12 @@ class DraftModelProposer:
                 continue
             budget -= missing
             active.append(_Row(i, seq, k, tokens[len(seq.token_ids) : len(seq.token_ids) + missing]))
-        if active:
-            self._run(active, proposals)
+        try:
+            if active:
+                self._run(active, proposals)
+        finally:
+            if self.adapters is not None:
+                self.adapters.unpin_all()
         for _, request, _, _ in planned:
             self._park(request)
         return proposals
@@ -231,12 +253,15 @@ class DraftModelProposer:
             self.pool.unmark_evictable(("draft", seq))
             self.pool.release(seq.block_ids)
             seq.block_ids, seq.token_ids, seq.num_real = [], [], 0
+        if self.adapters is not None:
+            self.adapters.release(request)
 
     # --- draft K/V -------------------------------------------------------------------------------------------------
 
     def _truncate(self, seq: _DraftSequence, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens' draft K/V (the block holding the boundary stays)."""
         del seq.token_ids[num_tokens:]
+        seq.num_real = min(seq.num_real, num_tokens)
         keep = -(-num_tokens // self.block_size)
         if len(seq.block_ids) > keep:
             self.pool.release(seq.block_ids[keep:])
@@ -274,6 +299,8 @@ class DraftModelProposer:
 
     def _run(self, rows: list[_Row], proposals: list[list[int]]) -> None:
         """The catch-up forward for every row, then one single-token forward per further proposal."""
+        # Rows of one counterpart next to each other: each adapter's tokens become one LoRA segment.
+        rows = sorted(rows, key=_slot_order)
         proposing = [row for row in rows if row.num_proposals > 0]
         firsts = self._forward(
             [(row.seq, row.catch_up) for row in rows], logits_of=[row.num_proposals > 0 for row in rows]
@@ -294,54 +321,45 @@ class DraftModelProposer:
     def _forward(
         self, entries: list[tuple[_DraftSequence, list[int]]], logits_of: list[bool] | None = None
     ) -> list[int]:
-        """One draft forward: each entry's new tokens after the tokens its K/V hold (written into its blocks);
-        the argmax after the last token of every entry whose `logits_of` is true (default: all), in order."""
-        device = self.draft.model.device
+        """One draft forward: each entry's new tokens after the tokens its K/V hold (written into its blocks), under
+        its adapter; the argmax after the last token of every entry whose `logits_of` is true (default: all), in
+        order."""
         num_seqs = len(entries)
         query_lens = np.fromiter((len(tokens) for _, tokens in entries), dtype=np.int64, count=num_seqs)
-        starts = np.fromiter((len(seq.token_ids) for seq, _ in entries), dtype=np.int64, count=num_seqs)
-        seq_lens = starts + query_lens
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        block_tables = np.zeros((num_seqs, max(len(seq.block_ids) for seq, _ in entries)), dtype=np.int64)
-        for i, (seq, _) in enumerate(entries):
-            block_tables[i, : len(seq.block_ids)] = seq.block_ids
-        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-        positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_of_token] + starts[seq_of_token]
-        k_rows, v_rows = self._kv_rows(
-            block_tables[seq_of_token, positions // self.block_size], positions % self.block_size
-        )
-        wanted = np.arange(num_seqs) if logits_of is None else np.flatnonzero(np.asarray(logits_of, dtype=np.bool_))
-        logits_indices = query_start_loc[wanted + 1] - 1  # each wanted entry's last token
-
-        def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
-
-        batch = ForwardBatch(
-            input_ids=torch.tensor([t for _, tokens in entries for t in tokens], dtype=torch.int64, device=device),
-            positions=to_device(positions, torch.int64),
-            k_rows=to_device(k_rows, torch.int64),
-            v_rows=to_device(v_rows, torch.int64),
-            block_tables=to_device(block_tables, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            logits_indices=to_device(logits_indices, torch.int64),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
+        widths = np.ones(num_seqs, dtype=np.int64) if logits_of is None else np.asarray(logits_of, dtype=np.int64)
+        lora: LoraStep | None = None
+        if self.adapters is not None:
+            adapters = [seq.adapter for seq, _ in entries]
+            segments = LoraBatch.tile(adapters, query_lens.tolist(), self.draft.model.device)
+            lora = LoraStep(self.adapters.compute, segments) if segments else None
+        batch = build_forward_batch(
+            [token for _, tokens in entries for token in tokens],
+            np.fromiter((len(seq.token_ids) for seq, _ in entries), dtype=np.int64, count=num_seqs),
+            query_lens,
+            [seq.block_ids for seq, _ in entries],
+            widths,
+            block_size=self.block_size,
+            kv_rows=self._kv_rows,
+            device=self.draft.model.device,
+            lora=lora,
         )
         hidden = self.draft.model.forward(batch, self.kv_caches)
-        if wanted.size == 0:
+        if batch.logits_indices.numel() == 0:
             return []
         logits = self.draft.model.compute_logits(hidden[batch.logits_indices])
         return [int(token) for token in logits.argmax(dim=-1).tolist()]
 
-    def _kv_rows(self, block_ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _kv_rows(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the draft layers' `rows` views where token i's K (and V) of head h go, token-major."""
         c = self.draft.config
-        heads = np.arange(c.num_kv_heads, dtype=np.int64) * self.block_size
+        heads = torch.arange(c.num_kv_heads, dtype=torch.int64, device=block_ids.device) * self.block_size
         k_rows = (block_ids * self._rows_per_page + offsets)[:, None] + heads[None, :]
         return k_rows.reshape(-1), (k_rows + c.num_kv_heads * self.block_size).reshape(-1)
+
+
+def _slot_order(row: _Row) -> int:
+    adapter = row.seq.adapter
+    return -1 if adapter is None or adapter.slot is None else adapter.slot
 
 
 def _common_prefix(held: list[int], tokens: list[int], limit: int, *, known: int = 0) -> int:

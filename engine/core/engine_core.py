@@ -160,6 +160,7 @@ class EngineCore:
                     pool=self.pool,
                     block_size=config.block_size,
                     max_num_batched_tokens=config.max_num_batched_tokens,
+                    adapters=self.adapters,
                 )
                 if draft is not None
                 else None,

@@ -1,20 +1,18 @@
-"""The model runner: turns a scheduled step into one ForwardBatch, runs the model, returns the logits to sample.
-
-Host-side metadata is built with numpy over whole requests (never token by token) and moved to the device once.
-"""
+"""The model runner: turns a scheduled step into one ForwardBatch, runs the model, returns the logits to sample."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from loraplex.engine.core.request import Request
 from loraplex.engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from loraplex.engine.lora.batch import LoraBatch, LoraCompute, LoraSegment, LoraStep
+from loraplex.engine.lora.batch import LoraBatch, LoraCompute, LoraStep
 from loraplex.engine.memory.page_pool import KVLayer, kv_rows
-from loraplex.engine.model.forward_batch import ForwardBatch
+from loraplex.engine.model.forward_batch import ForwardBatch, build_forward_batch
 from loraplex.engine.model.llama import LlamaModel
 
 
@@ -51,68 +49,34 @@ class ModelRunner:
         num_seqs = len(scheduled)
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
-        seq_lens = starts + query_lens
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-
-        max_blocks = max(len(s.request.blocks.block_ids) for s in scheduled)
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
         input_ids: list[int] = []
-        for i, s in enumerate(scheduled):
-            request = s.request
-            block_ids = request.blocks.block_ids
-            block_tables[i, : len(block_ids)] = block_ids
-            input_ids.extend(request.tokens(int(starts[i]), int(seq_lens[i]) - len(s.spec_token_ids)))
+        for s, start, num_new in zip(scheduled, starts.tolist(), query_lens.tolist(), strict=True):
+            input_ids.extend(s.request.tokens(start, start + num_new - len(s.spec_token_ids)))
             input_ids.extend(s.spec_token_ids)
 
-        # positions[t] = starts[seq] + (t - query_start_loc[seq]) for every token t, without a Python loop.
-        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-        positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_of_token] + starts[seq_of_token]
-        slot_block_ids = block_tables[seq_of_token, positions // self.block_size]
-        slot_offsets = positions % self.block_size
-
-        sampling = [(i, s) for i, s in enumerate(scheduled) if s.completes_prompt]
-        sample_requests = [s.request for _, s in sampling]
-        spec_token_ids = [s.spec_token_ids for _, s in sampling]
-        # A row's last token, and before it one per proposal it verifies.
-        widths = [1 + len(spec) for spec in spec_token_ids]
-        logits_offsets = [0, *np.cumsum(widths, dtype=np.int64).tolist()]
-        logits_indices = np.fromiter(
-            (
-                int(query_start_loc[i + 1]) - width + j
-                for (i, _), width in zip(sampling, widths, strict=True)
-                for j in range(width)
-            ),
-            dtype=np.int64,
-            count=logits_offsets[-1],
+        # A sampling row's last token, and before it one per proposal it verifies.
+        widths = np.fromiter(
+            (1 + len(s.spec_token_ids) if s.completes_prompt else 0 for s in scheduled), dtype=np.int64, count=num_seqs
         )
-
-        def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
-
-        k_rows, v_rows = kv_rows(
-            to_device(slot_block_ids, torch.int64),
-            to_device(slot_offsets, torch.int64),
-            num_kv_heads=self.model.config.num_kv_heads,
+        sampling = [s for s in scheduled if s.completes_prompt]
+        adapters = [s.request.adapter for s in scheduled]
+        segments = LoraBatch.tile(adapters, query_lens.tolist(), self.device)
+        batch = build_forward_batch(
+            input_ids,
+            starts,
+            query_lens,
+            [s.request.blocks.block_ids for s in scheduled],
+            widths,
             block_size=self.block_size,
+            kv_rows=partial(kv_rows, num_kv_heads=self.model.config.num_kv_heads, block_size=self.block_size),
+            device=self.device,
+            lora=LoraStep(self.lora, segments) if self.lora is not None and segments else None,
         )
-        batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=to_device(positions, torch.int64),
-            k_rows=k_rows,
-            v_rows=v_rows,
-            block_tables=to_device(block_tables, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            logits_indices=to_device(logits_indices, torch.int64),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        segments = _lora_segments(scheduled, query_start_loc, self.device)
-        batch.lora = LoraStep(self.lora, segments) if self.lora is not None and segments else None
         return PreparedStep(
-            batch=batch, sample_requests=sample_requests, spec_token_ids=spec_token_ids, logits_offsets=logits_offsets
+            batch=batch,
+            sample_requests=[s.request for s in sampling],
+            spec_token_ids=[s.spec_token_ids for s in sampling],
+            logits_offsets=[0, *np.cumsum(widths[widths > 0]).tolist()],
         )
 
     def execute(self, step: PreparedStep) -> torch.Tensor:
@@ -124,18 +88,3 @@ class ModelRunner:
 def _adapter_order(scheduled: ScheduledRequest) -> int:
     adapter = scheduled.request.adapter
     return -1 if adapter is None or adapter.slot is None else adapter.slot
-
-
-def _lora_segments(scheduled: list[ScheduledRequest], query_start_loc: np.ndarray, device: torch.device) -> LoraBatch:
-    """Segments tiling the step's token rows: one per run of requests with the same adapter (or none)."""
-    if all(s.request.adapter is None for s in scheduled):
-        return LoraBatch()
-    segments: list[LoraSegment] = []
-    for i, s in enumerate(scheduled):
-        adapter = s.request.adapter
-        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        if segments and segments[-1].adapter is adapter:
-            segments[-1].end = end
-        else:
-            segments.append(LoraSegment(start, end, adapter))
-    return LoraBatch.of(segments, device)

@@ -1,13 +1,14 @@
 """LoRA for one step: which token ranges run which adapter, and adding their deltas to the base projections.
 
-The runner sorts a step's requests by adapter, so each adapter's tokens form one segment (base-model rows form
-segments of slot -1). Built once per step; every layer reads the same segments. The deltas are computed by the
-SGMV kernels (kernels/sgmv.py: Triton on CUDA, the torch path on a CPU), which read each adapter's matrices
-from its pool pages through the adapter manager's page table.
+Whoever builds a forward (the runner; the draft model's proposer) sorts its sequences by adapter slot, so each
+adapter's tokens form one segment (base-model rows form segments of slot -1). Built once per forward; every layer
+reads the same segments. The deltas are computed by the SGMV kernels (kernels/sgmv.py: Triton on CUDA, the torch
+path on a CPU), which read each adapter's matrices from its pool pages through the adapter manager's page table.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,24 @@ class LoraBatch:
 
     def __bool__(self) -> bool:
         return any(segment.adapter is not None for segment in self.segments)
+
+    @classmethod
+    def tile(
+        cls, adapters: Sequence[AdapterEntry | None], query_lens: Sequence[int], device: torch.device
+    ) -> LoraBatch:
+        """Segments tiling a forward's token rows, sequence i's query_lens[i] rows running adapters[i]: one segment
+        per run of consecutive sequences with the same adapter (or none). Empty when no sequence has one."""
+        if all(adapter is None for adapter in adapters):
+            return cls()
+        segments: list[LoraSegment] = []
+        end = 0
+        for adapter, num_rows in zip(adapters, query_lens, strict=True):
+            start, end = end, end + int(num_rows)
+            if segments and segments[-1].adapter is adapter:
+                segments[-1].end = end
+            else:
+                segments.append(LoraSegment(start, end, adapter))
+        return cls.of(segments, device)
 
     @classmethod
     def of(cls, segments: list[LoraSegment], device: torch.device) -> LoraBatch:
@@ -166,8 +185,8 @@ class LoraCompute:
         self._page_table = page_table.to(self.device)
         self._bases = [entry.base if entry is not None else None for entry in slots]
         self._tables = {}
-        num_layers = len(self.adapters.pool.storage)
-        for layer in range(num_layers):
+        # The model's layers, not the pool's: a draft model's adapters share a pool sized for its target's layers.
+        for layer in range(self.adapters.model_config.num_layers):
             for group, modules in GROUPS:
                 self._tables[(layer, group)] = self._group_table(slots, layer, group, modules)
         self._version = self.adapters.version

@@ -128,10 +128,21 @@ class AdapterManagerConfig:
 
 class AdapterManager:
     def __init__(
-        self, pool: PagePool, model_config: ModelConfig, config: AdapterManagerConfig, *, reserved_pages: int = 0
+        self,
+        pool: PagePool,
+        model_config: ModelConfig,
+        config: AdapterManagerConfig,
+        *,
+        reserved_pages: int = 0,
+        pool_key: str = "adapter",
     ) -> None:
+        """`model_config` is the model the adapters are for; it may have fewer layers than the pool (a draft model's
+        adapters): each adapter uses its layers' share of its pages. `pool_key` tags this manager's entries on the
+        pool's eviction list: managers sharing a pool need distinct ones, since the same adapter (digest) may be
+        resident in both."""
         self.pool = pool
         self.reserved_pages = reserved_pages  # KV pages one request of the longest context may need
+        self.pool_key = pool_key
         self.model_config = model_config
         self.config = config
         self.entries: dict[str, AdapterEntry] = {}  # by digest
@@ -284,7 +295,7 @@ class AdapterManager:
         if not idle:
             return None
         victim = min(idle, key=lambda e: e.last_used)
-        self.pool.unmark_evictable(("adapter", victim.ref.digest))
+        self.pool.unmark_evictable((self.pool_key, victim.ref.digest))
         self._evict(victim)
         return next(i for i, s in enumerate(self.slots) if s is None)
 
@@ -339,7 +350,7 @@ class AdapterManager:
     def acquire(self, entry: AdapterEntry) -> None:
         """A request starts running with this (resident) adapter: pin it."""
         if entry.num_running == 0:
-            self.pool.unmark_evictable(("adapter", entry.ref.digest))
+            self.pool.unmark_evictable((self.pool_key, entry.ref.digest))
         entry.num_running += 1
         entry.last_used = self._tick()
 
@@ -354,7 +365,7 @@ class AdapterManager:
 
     def _maybe_idle(self, entry: AdapterEntry) -> None:
         if entry.num_running == 0 and entry.state is AdapterState.RESIDENT:
-            self.pool.mark_evictable(("adapter", entry.ref.digest), len(entry.pages), lambda: self._evict(entry))
+            self.pool.mark_evictable((self.pool_key, entry.ref.digest), len(entry.pages), lambda: self._evict(entry))
 
     def unload(self, digest: str) -> bool:
         """Drop an adapter from every tier once no request (running or waiting) names it."""
@@ -362,7 +373,7 @@ class AdapterManager:
         if entry is None or entry.num_requests or entry.num_running:
             return False
         if entry.state is AdapterState.RESIDENT:
-            self.pool.unmark_evictable(("adapter", digest))
+            self.pool.unmark_evictable((self.pool_key, digest))
             self._evict(entry)
         self._forget_host(entry)
         self.entries.pop(digest, None)

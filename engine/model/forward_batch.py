@@ -1,16 +1,23 @@
-"""ForwardBatch: everything one model forward needs, built once per step by the runner.
+"""ForwardBatch: everything one model forward needs, built once per forward by `build_forward_batch` (the runner's
+step of the target; the draft model's forwards).
 
 Tensors are flat over the step's tokens (sequences concatenated in scheduling order); the per-sequence tensors
 describe where each sequence's keys live in the paged cache. Adapters reach the layers through `lora`, a
-`LoraDelta` the runner binds for the step, so layers never look at requests or at the LoRA machinery.
+`LoraDelta` the caller binds for the forward, so layers never look at requests or at the LoRA machinery.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
+
+# (block ids, offsets in their blocks) of each token -> (K rows, V rows) of the KVLayer.rows views the forward writes:
+# [num_tokens] int64 each in, [num_tokens * num_kv_heads] int64 each out, token-major. The caller's page layout.
+KVRows = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class LoraDelta(Protocol):
@@ -42,3 +49,60 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def build_forward_batch(
+    input_ids: list[int],
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    block_ids: Sequence[Sequence[int]],
+    logits_widths: np.ndarray,
+    *,
+    block_size: int,
+    kv_rows: KVRows,
+    device: torch.device,
+    lora: LoraDelta | None = None,
+) -> ForwardBatch:
+    """The ForwardBatch of sequences that each compute query_lens[s] new tokens after the starts[s] their cache holds.
+
+    input_ids: [sum(query_lens)] the new tokens, sequence after sequence; starts, query_lens: [num_seqs] int64;
+    block_ids[s]: sequence s's pages, in order, covering its tokens after this forward; logits_widths: [num_seqs]
+    int64, how many of sequence s's last token rows get logits (0: none), in sequence order. Host metadata is
+    computed with numpy over whole sequences (never token by token) and moved to the device once.
+    """
+    num_seqs = len(block_ids)
+    seq_lens = starts + query_lens
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    block_tables = np.zeros((num_seqs, max((len(ids) for ids in block_ids), default=0)), dtype=np.int64)
+    for s, ids in enumerate(block_ids):
+        block_tables[s, : len(ids)] = ids
+
+    # positions[t] = starts[seq] + (t - query_start_loc[seq]) for every token t, without a Python loop.
+    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_of_token] + starts[seq_of_token]
+    slot_block_ids = block_tables[seq_of_token, positions // block_size]
+    slot_offsets = positions % block_size
+    # Sequence s's logits rows are its last logits_widths[s] tokens, in order.
+    first_token = np.repeat(query_start_loc[1:] - logits_widths, logits_widths)  # of its sequence's logits rows
+    first_row = np.repeat(np.cumsum(logits_widths) - logits_widths, logits_widths)
+    logits_indices = first_token + np.arange(int(logits_widths.sum())) - first_row
+
+    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+    k_rows, v_rows = kv_rows(to_device(slot_block_ids, torch.int64), to_device(slot_offsets, torch.int64))
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=to_device(positions, torch.int64),
+        k_rows=k_rows,
+        v_rows=v_rows,
+        block_tables=to_device(block_tables, torch.int32),
+        seq_lens=to_device(seq_lens, torch.int32),
+        query_start_loc=to_device(query_start_loc, torch.int32),
+        logits_indices=to_device(logits_indices, torch.int64),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        lora=lora,
+    )

@@ -3,6 +3,9 @@
 `make_truncated_draft(target, out, num_layers)` writes a checkpoint with the target's embeddings, its first
 `num_layers` decoder layers, its final norm and lm_head, and its tokenizer files: the same tokenizer by
 construction, and no training needed, which is what a benchmark of the draft_model method wants of the demo model.
+
+`make_truncated_draft_adapter(adapter, out, num_layers)` cuts an adapter of the target the same way: its modules of
+the first `num_layers` layers, the draft counterpart (engine/core/draft_adapters.py) that matches such a draft.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import os
 import shutil
 from pathlib import Path
 
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.engine.model.weights import CheckpointTensors
 
 # Every file of a model folder that is not config.json or weights: the tokenizer and generation settings.
@@ -25,6 +29,7 @@ _COPIED_FILES = (
     "generation_config.json",
 )
 _LAYERS_PREFIX = "model.layers."
+_ADAPTER_LAYERS_PREFIX = "base_model.model.model.layers."  # PEFT's saved keys
 
 
 def make_truncated_draft(target_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], num_layers: int) -> Path:
@@ -48,4 +53,33 @@ def make_truncated_draft(target_dir: str | os.PathLike[str], out_dir: str | os.P
     for name in _COPIED_FILES:
         if (target / name).is_file():
             shutil.copyfile(target / name, out / name)
+    return out
+
+
+def make_truncated_draft_adapter(
+    adapter_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], num_layers: int
+) -> Path:
+    """Write the modules of layers < `num_layers` of the PEFT adapter in `adapter_dir` into `out_dir` (created if need
+    be), with its config (`layers_to_transform`, if it lists layers, cut the same way); returns `out_dir`. Put there
+    as the adapter's `draft/` folder, it is the counterpart a `make_truncated_draft` draft of as many layers runs.
+    Raises ValueError unless num_layers >= 1 and the adapter has a module in those layers."""
+    adapter, out = Path(adapter_dir), Path(out_dir)
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be at least 1, not {num_layers}")
+    config = json.loads((adapter / CONFIG_FILE).read_text())
+    tensors = load_file(str(adapter / WEIGHTS_FILE))
+    kept = {
+        name: tensor.contiguous()
+        for name, tensor in sorted(tensors.items())
+        if not name.startswith(_ADAPTER_LAYERS_PREFIX)
+        or int(name[len(_ADAPTER_LAYERS_PREFIX) :].split(".", 1)[0]) < num_layers
+    }
+    if not any(name.startswith(_ADAPTER_LAYERS_PREFIX) for name in kept):
+        raise ValueError(f"the adapter {adapter} adapts no module in the first {num_layers} layers")
+    layers = config.get("layers_to_transform")
+    if isinstance(layers, list):
+        config["layers_to_transform"] = [layer for layer in layers if layer < num_layers]
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(kept, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out

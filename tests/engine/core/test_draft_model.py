@@ -14,11 +14,23 @@ from typing import Any
 
 import pytest
 import torch
+from _support.draft_models import (
+    DEMO,
+    GREEDY,
+    PREEMPTION,
+    PROMPTS,
+    UPPER,
+    demo,
+    draft_config,
+    proposer_of,
+    run,
+    speculative,
+    totals,
+)
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.core.draft_model import DraftModelProposer
+from loraplex.engine import LLM, LoRARequest
 from loraplex.engine.core.engine_core import EngineCore
 from loraplex.engine.memory.page_pool import PageKind
 from loraplex.engine.model.config import ModelConfig
@@ -27,51 +39,6 @@ from loraplex.engine.tools.demo import RandomModelSpec, write_random_model
 from loraplex.engine.tools.draft import make_truncated_draft
 
 pytestmark = pytest.mark.unit
-
-REPO = Path(__file__).resolve().parents[3]
-DEMO = REPO / "demo" / "model"
-UPPER = REPO / "demo" / "adapters" / "upper"
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-PROMPTS = [
-    'The "for" statement is used to iterate over the elements of a sequence. The "for" statement',
-    'Tell me about the "json" module.',
-    'The "if" statement is used for conditional execution: The "if"',
-    "What is the difference between a list and a tuple?",
-    'The "while" statement is used for repeated execution as long as an expression is true. The "while"',
-    'Tell me about the "try" statement.',
-]
-PREEMPTION = {"kv_budget": 8 * 64 * 2**10, "max_model_len": 96}  # 8 pages: requests are preempted and recomputed
-
-
-def draft_config(model: Path, **fields: Any) -> dict[str, Any]:
-    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": 4, **fields}
-
-
-def demo(**options: Any) -> LLM:
-    return LLM(DEMO, device="cpu", dtype="float32", **options)
-
-
-def speculative(draft: Path, **options: Any) -> LLM:
-    return demo(speculative_config=draft_config(draft), speculative_knee_tokens=64, **options)
-
-
-def run(llm: LLM, loras: list[LoRARequest | None] | None = None) -> list[list[int]]:
-    outputs = llm.generate(PROMPTS, GREEDY, lora_request=loras)
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def proposer_of(llm: LLM) -> DraftModelProposer:
-    speculator = llm.engine.scheduler.speculator
-    assert speculator is not None
-    assert isinstance(speculator.proposer, DraftModelProposer)
-    return speculator.proposer
-
-
-def totals(llm: LLM) -> tuple[int, int]:
-    speculator = llm.engine.scheduler.speculator
-    assert speculator is not None
-    counts = speculator.stats.by_adapter.values()
-    return sum(c.num_proposed for c in counts), sum(c.num_accepted for c in counts)
 
 
 def demo_shaped_draft(path: Path, *, num_layers: int, seed: int = 0, **config_fields: Any) -> Path:
@@ -112,8 +79,8 @@ def test_the_target_as_its_own_draft_is_nearly_always_right_and_output_is_the_en
     speculator = llm.engine.scheduler.speculator
     assert speculator is not None
     base = speculator.stats.by_adapter[""]
-    # The same model on base rows: every proposal is the target's own argmax. (The draft runs without adapters, so
-    # on LoRA rows it proposes what the base model would say.)
+    # The same model on base rows: every proposal is the target's own argmax. (The demo adapter has no draft
+    # counterpart, so on its rows the draft proposes what the base model would say: test_draft_adapters.py.)
     assert base.num_proposed > 0 and base.num_accepted >= 0.95 * base.num_proposed
     if options is PREEMPTION:
         assert llm.engine.num_preemptions > 0 and plain.engine.num_preemptions > 0
