@@ -305,6 +305,7 @@ class TestUpload:
             "status",
             "error",
             "digest",
+            "draft_digest",
             "rank",
             "size_bytes",
             "created_at",
@@ -313,6 +314,7 @@ class TestUpload:
         assert (body["name"], body["version"], body["base_model"]) == ("support-bot", 1, BASE)
         assert (body["status"], body["error"]) == ("ready", None)
         assert body["digest"] == good.digest
+        assert body["draft_digest"] is None
         assert body["rank"] == 4
         assert body["size_bytes"] == len(good.weights)
 

@@ -1,4 +1,4 @@
-"""The tenant's Adapters page: the list (status, rank, size, digest), an upload form and delete.
+"""The tenant's Adapters page: the list (status, rank, size, digest, draft counterpart), an upload form and delete.
 
 The upload goes through the API's own parsing and service (`read_adapter_form`, `create_adapter`), so a file is
 refused for the same reasons, with the same message naming it, and nothing is left half-written. Without

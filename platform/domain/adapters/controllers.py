@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from loraplex.platform.dependencies import AppResources, DbSession, Principal
 from loraplex.platform.domain.adapters.schemas import AdapterDeleted, AdapterOut, AdapterUploadFields
 from loraplex.platform.domain.adapters.service import AdapterService
-from loraplex.platform.domain.adapters.upload import ADAPTER_FILES, UploadedFile
+from loraplex.platform.domain.adapters.upload import ADAPTER_FILES, DRAFT_FILES, UploadedFile
 from loraplex.platform.errors import ApiError, handle_exception, invalid_request, openai_error
 from loraplex.platform.ids import TenantId
 from loraplex.platform.resources import Resources
@@ -28,8 +28,11 @@ _UPLOAD_DESCRIPTION = """\
 multipart/form-data with the text fields `name` (the adapter's name; uploading a name again adds a version) and
 `base_model` (the name of the base model it was trained on), and the adapter as either two file parts,
 `adapter_config.json` and `adapter_model.safetensors` (matched by field name or filename), or one file part holding
-a .zip or .tar.gz with exactly those two files at its root. Safetensors only: pickle and code are refused. The
-adapter is validated against the base model before anything is stored; a bad upload answers 400 naming the file
+a .zip or .tar.gz with exactly those two files at its root. A draft counterpart (the LoRA the base model's draft
+model runs for this adapter's requests, when the base model speculates with a draft model) comes beside them as
+`draft/adapter_config.json` and `draft/adapter_model.safetensors`: two more file parts, or those members of the
+archive; both or neither. Safetensors only: pickle and code are refused. The adapter is validated against the base
+model, its counterpart against the draft model, before anything is stored; a bad upload answers 400 naming the file
 or field at fault, and leaves nothing behind."""
 
 
@@ -183,7 +186,7 @@ async def read_adapter_form(data: dict[str, Any]) -> tuple[AdapterUploadFields, 
             for value in values if isinstance(values, list) else [values]:
                 if isinstance(value, UploadFile):
                     parts.append(UploadedFile(field=field, filename=value.filename or None, data=await value.read()))
-                elif field in ADAPTER_FILES:
+                elif field in ADAPTER_FILES or field in DRAFT_FILES:
                     # A file sent as a plain field (curl -F 'adapter_config.json=<file'): its text is the content.
                     parts.append(UploadedFile(field=field, filename=None, data=str(value).encode()))
                 elif field in text:

@@ -33,6 +33,8 @@ class Adapter(Base):
     status: Mapped[str] = mapped_column(String(16), default=AdapterStatus.VALIDATING.value)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     digest: Mapped[str | None] = mapped_column(String(80), default=None)  # "sha256:<hex>" of both files
+    # "sha256:<hex>" of the draft counterpart's two files (under draft/); null: the adapter has none.
+    draft_digest: Mapped[str | None] = mapped_column(String(80), default=None)
     rank: Mapped[int | None] = mapped_column(default=None)  # the largest rank of any module
     size_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

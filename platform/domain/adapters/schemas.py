@@ -1,5 +1,5 @@
-"""Adapter shapes at the edge: `{id, object, name, version, base_model, status, error, digest, rank, size_bytes,
-created_at}`, and the text fields of an upload."""
+"""Adapter shapes at the edge: `{id, object, name, version, base_model, status, error, digest, draft_digest, rank,
+size_bytes, created_at}`, and the text fields of an upload."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class AdapterOut(BaseModel):
     status: AdapterStatus
     error: str | None
     digest: str | None  # "sha256:<hex>" over both files (engine.lora.adapter_digest)
+    draft_digest: str | None  # the same over the draft counterpart's two files (draft/); null: it has none
     rank: int | None  # the largest rank of any adapted module
     size_bytes: int | None  # length of adapter_model.safetensors
     created_at: datetime
@@ -49,6 +50,7 @@ class AdapterOut(BaseModel):
             status=AdapterStatus(row.status),
             error=row.error,
             digest=row.digest,
+            draft_digest=row.draft_digest,
             rank=row.rank,
             size_bytes=row.size_bytes,
             created_at=row.created_at,

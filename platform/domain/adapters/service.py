@@ -3,8 +3,13 @@ model, stored in the object store, and recorded as the next version of its name.
 
 Nothing half-written: validation happens before anything is stored; `create` deletes the objects it stored if it
 fails after storing them; a caller whose commit fails afterwards calls `delete_objects`. Objects live under
-`tenants/{tenant_id}/adapters/{adapter_id}/` (adapter_config.json, adapter_model.safetensors): keyed by the
-adapter's id, not its name and version, so nothing is ever overwritten.
+`tenants/{tenant_id}/adapters/{adapter_id}/` (adapter_config.json, adapter_model.safetensors, and a draft
+counterpart's two files under draft/, where the engine looks for them): keyed by the adapter's id, not its name and
+version, so nothing is ever overwritten.
+
+A draft counterpart is validated like the adapter, against the base model's draft model (its speculative_config
+must be a draft_model one): an engine would otherwise find out only when loading it, and fall back to the bare
+draft without telling anyone.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -21,14 +27,19 @@ import anyio.to_thread
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from loraplex.engine import CheckpointError, ModelConfig, SpeculativeConfig
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterError, LoraAdapter, parse_adapter
 from loraplex.platform.db.pagination import Page
 from loraplex.platform.domain.adapters.models import Adapter, AdapterStatus
 from loraplex.platform.domain.adapters.repository import AdapterRepository
 from loraplex.platform.domain.adapters.schemas import AdapterOut, AdapterUploadFields
 from loraplex.platform.domain.adapters.upload import (
+    DRAFT_CONFIG_FILE,
+    DRAFT_FILES,
+    DRAFT_WEIGHTS_FILE,
     AdapterFiles,
     UploadedFile,
+    UploadFiles,
     UploadLimits,
     UploadTooLarge,
     read_upload,
@@ -47,6 +58,8 @@ logger = logging.getLogger(__name__)
 # others try the version after it.
 _MAX_VERSION_ATTEMPTS = 5
 _CONTENT_TYPES = {CONFIG_FILE: "application/json", WEIGHTS_FILE: "application/octet-stream"}
+# parse_adapter names the file at fault by its own name; a draft counterpart's error names the draft/ file.
+_DRAFT_FIELDS = {CONFIG_FILE: DRAFT_CONFIG_FILE, WEIGHTS_FILE: DRAFT_WEIGHTS_FILE}
 
 
 class AdapterLocation(NamedTuple):
@@ -54,6 +67,16 @@ class AdapterLocation(NamedTuple):
 
     uri: str  # s3://{bucket}/tenants/{tenant_id}/adapters/{adapter_id}, or that folder's absolute local path
     digest: str  # "sha256:<hex>" over both files (engine.lora.adapter_digest)
+
+
+@dataclass(frozen=True, slots=True)
+class _Validated:
+    """An upload that passed every check: its files, the adapter parsed against the base model, and the draft
+    counterpart parsed against the base model's draft model (None when the upload has none)."""
+
+    files: UploadFiles
+    adapter: LoraAdapter
+    draft: LoraAdapter | None
 
 
 def adapter_prefix(tenant_id: uuid.UUID, adapter_id: uuid.UUID) -> str:
@@ -110,11 +133,14 @@ class AdapterService:
         base = await self._base_models.get_by_name(fields.base_model)
         if base is None:
             raise invalid_request(f"No base model named '{fields.base_model}'.", param="base_model")
-        files, parsed = await self._validate(parts, base)
+        validated = await self._validate(parts, base)
+        files, parsed = validated.files.adapter, validated.adapter
 
         adapter_id = uuid.uuid4()
-        keys = [adapter_prefix(tenant_id, adapter_id) + name for name in (CONFIG_FILE, WEIGHTS_FILE)]
-        await self._store(keys, files)
+        prefix = adapter_prefix(tenant_id, adapter_id)
+        named = [(prefix + name, data) for name, data in validated.files.named()]
+        await self._store(named)
+        keys = [key for key, _ in named]
         try:
             adapter = await self._add_next_version(
                 Adapter(
@@ -124,6 +150,7 @@ class AdapterService:
                     base_model_id=base.id,
                     status=AdapterStatus.READY.value,
                     digest=parsed.digest,
+                    draft_digest=validated.draft.digest if validated.draft is not None else None,
                     rank=parsed.max_rank,
                     size_bytes=len(files.weights),
                 )
@@ -196,34 +223,76 @@ class AdapterService:
         base = await self._base_models.get(adapter.base_model_id)
         return AdapterOut.of(adapter, base.name if base else "")
 
-    async def _validate(self, parts: Sequence[UploadedFile], base: BaseModel) -> tuple[AdapterFiles, LoraAdapter]:
-        settings = self._resources.settings
-        limits = UploadLimits(
-            max_weights_bytes=settings.max_adapter_upload_bytes, max_total_bytes=settings.max_adapter_upload_bytes
-        )
+    async def _validate(self, parts: Sequence[UploadedFile], base: BaseModel) -> _Validated:
         try:
-            files = await anyio.to_thread.run_sync(read_upload, parts, limits)
+            files = await anyio.to_thread.run_sync(read_upload, parts, self._upload_limits())
             model_config = await self._resources.model_configs.of(base.source)
-            parsed = await anyio.to_thread.run_sync(
-                partial(
-                    parse_adapter,
-                    files.config,
-                    files.weights,
-                    model_config,
-                    max_rank=settings.max_lora_rank,
-                    max_bytes=settings.max_adapter_upload_bytes,
-                )
-            )
+            parsed = await self._parse(files.adapter, model_config)
         except UploadTooLarge as exc:
             raise ApiError(413, str(exc), code="upload_too_large", param=exc.field) from None
         except AdapterError as exc:
             raise invalid_request(str(exc), param=exc.field, code="invalid_adapter") from None
-        return files, parsed
-
-    async def _store(self, keys: Sequence[str], files: AdapterFiles) -> None:
-        """Put both files, or (deleting whatever was put) raise 503."""
+        if files.draft is None:
+            return _Validated(files, parsed, None)
+        draft_config = await self._draft_model_config(base)
         try:
-            for key, data in zip(keys, (files.config, files.weights), strict=True):
+            draft = await self._parse(files.draft, draft_config)
+        except AdapterError as exc:
+            raise invalid_request(
+                f"The draft counterpart ({', '.join(DRAFT_FILES)}) does not fit the base model's draft model: {exc}",
+                param=_DRAFT_FIELDS.get(exc.field, exc.field) if exc.field is not None else DRAFT_CONFIG_FILE,
+                code="invalid_adapter",
+            ) from None
+        return _Validated(files, parsed, draft)
+
+    def _upload_limits(self) -> UploadLimits:
+        settings = self._resources.settings
+        return UploadLimits(
+            max_weights_bytes=settings.max_adapter_upload_bytes, max_total_bytes=settings.max_adapter_upload_bytes
+        )
+
+    async def _parse(self, files: AdapterFiles, model_config: ModelConfig) -> LoraAdapter:
+        """parse_adapter on a worker thread, under this server's rank and size limits."""
+        settings = self._resources.settings
+        return await anyio.to_thread.run_sync(
+            partial(
+                parse_adapter,
+                files.config,
+                files.weights,
+                model_config,
+                max_rank=settings.max_lora_rank,
+                max_bytes=settings.max_adapter_upload_bytes,
+            )
+        )
+
+    async def _draft_model_config(self, base: BaseModel) -> ModelConfig:
+        """The ModelConfig of the draft model `base` is served with, which a draft counterpart must fit; 400 when it
+        has none (a counterpart would never run)."""
+        speculative = SpeculativeConfig.parse(base.speculative_config) if base.speculative_config else None
+        if speculative is None or speculative.method != "draft_model" or speculative.model is None:
+            raise invalid_request(
+                f"Base model '{base.name}' has no draft model to run a draft counterpart on (its engines do not "
+                f"speculate with a draft model); upload the adapter without {' and '.join(DRAFT_FILES)}.",
+                param=DRAFT_CONFIG_FILE,
+                code="invalid_adapter",
+            )
+        try:
+            return await self._resources.model_configs.of(str(speculative.model))
+        except CheckpointError:
+            # The admin's draft checkpoint, not the upload, is at fault; its path is none of the tenant's business.
+            logger.exception("the draft model %s of base model %s cannot be read", speculative.model, base.name)
+            raise ApiError(
+                503,
+                f"The draft model of base model '{base.name}' cannot be read now, so the draft counterpart cannot be "
+                "checked; nothing was saved. Try again later, or upload the adapter without its draft counterpart.",
+                code="draft_model_unavailable",
+            ) from None
+
+    async def _store(self, files: Sequence[tuple[str, bytes]]) -> None:
+        """Put every (key, data), or (deleting whatever was put) raise 503."""
+        keys = [key for key, _ in files]
+        try:
+            for key, data in files:
                 await self._resources.objects.put(key, data, content_type=_CONTENT_TYPES[key.rpartition("/")[2]])
         except BaseException as exc:
             # Every key, the failed one too: a put whose answer was lost may still have landed.

@@ -1,12 +1,15 @@
 """An adapter upload turned into the two files the engine's validator reads: adapter_config.json and
-adapter_model.safetensors, sent as two file parts or packed in one .zip or .tar.gz (.tgz).
+adapter_model.safetensors, sent as two file parts or packed in one .zip or .tar.gz (.tgz); optionally with the two
+files of a draft counterpart beside them, draft/adapter_config.json and draft/adapter_model.safetensors (the LoRA the
+base model's draft model runs for the adapter's requests: engine/core/draft_adapters.py), both or neither.
 
 Everything here works on bytes in memory: archives are read member by member through zipfile / tarfile over
 BytesIO and nothing is ever extracted to disk. Refused before the validator sees a byte: pickle (by name, by
 pickle's protocol header at the start of any file, and the zip archives torch.save writes), Python files, an
-`auto_map` in the config (custom model code), and any archive member other than the two files at the root
-(folders, paths, `..`, links, devices, duplicates, extra files). Archives may not unpack to more than the limits,
-judged twice: by the sizes each member declares, and by counting the bytes actually read.
+`auto_map` in a config (custom model code), and any archive member other than the two files at the root and the two
+in draft/ (other folders, paths, `..`, links, devices, duplicates, extra files). Archives may not unpack to more than
+the limits, judged twice: by the sizes each member declares, and by counting the bytes actually read; the total
+limit covers all four files.
 
 Failures raise AdapterFormatError (UploadTooLarge for sizes), whose `field` names the part or member at fault,
 so the API reports them exactly as it reports the validator's own errors. All of it blocks: run it in a worker
@@ -27,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from loraplex.engine.core.draft_adapters import DRAFT_FOLDER
 from loraplex.engine.lora import (
     CONFIG_FILE,
     FORBIDDEN_SUFFIXES,
@@ -38,6 +42,12 @@ from loraplex.engine.lora import (
 )
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+# Where the engine looks for an adapter's draft counterpart: the same two files in its draft/ folder.
+DRAFT_CONFIG_FILE = f"{DRAFT_FOLDER}/{CONFIG_FILE}"
+DRAFT_WEIGHTS_FILE = f"{DRAFT_FOLDER}/{WEIGHTS_FILE}"
+DRAFT_FILES = (DRAFT_CONFIG_FILE, DRAFT_WEIGHTS_FILE)
+_UPLOAD_FILES = (*ADAPTER_FILES, *DRAFT_FILES)
+_CONFIG_FILES = (CONFIG_FILE, DRAFT_CONFIG_FILE)
 ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz")
 _CODE_SUFFIXES = (".py", ".pyc")
 _READ_CHUNK_BYTES = 1 << 20
@@ -49,12 +59,13 @@ _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
 _GZIP_MAGIC = b"\x1f\x8b"
 _HOW = (
     f"send {CONFIG_FILE} and {WEIGHTS_FILE} as two file parts, or one .zip or .tar.gz holding exactly those two "
-    "files at its root"
+    f"files at its root (a draft counterpart adds {DRAFT_CONFIG_FILE} and {DRAFT_WEIGHTS_FILE}, as parts or members)"
 )
 _HOW_ARCHIVE = (
-    f"the archive must hold exactly {CONFIG_FILE} and {WEIGHTS_FILE} at its root, with no folders (for example "
-    f"`zip -j adapter.zip DIR/{CONFIG_FILE} DIR/{WEIGHTS_FILE}` or "
-    f"`tar czf adapter.tar.gz -C DIR {CONFIG_FILE} {WEIGHTS_FILE}`)"
+    f"the archive must hold exactly {CONFIG_FILE} and {WEIGHTS_FILE} at its root, with no folders other than "
+    f"{DRAFT_FOLDER}/ holding a draft counterpart's two files (for example "
+    f"`zip -j adapter.zip DIR/{CONFIG_FILE} DIR/{WEIGHTS_FILE}`, or "
+    f"`tar czf adapter.tar.gz -C DIR {CONFIG_FILE} {WEIGHTS_FILE} {DRAFT_FOLDER}` with a counterpart)"
 )
 
 
@@ -93,12 +104,30 @@ class AdapterFiles:
     weights: bytes
 
 
-def read_upload(parts: Sequence[UploadedFile], limits: UploadLimits) -> AdapterFiles:
-    """The adapter's two files from the file parts of an upload; raise AdapterFormatError naming what is wrong.
+@dataclass(frozen=True, slots=True)
+class UploadFiles:
+    """What an upload holds: the adapter's two files, and its draft counterpart's if it has one (for the base
+    model's draft model, not the base model)."""
+
+    adapter: AdapterFiles
+    draft: AdapterFiles | None = None
+
+    def named(self) -> list[tuple[str, bytes]]:
+        """Each file with its path in the adapter's folder (draft/ for the counterpart's)."""
+        files = [(CONFIG_FILE, self.adapter.config), (WEIGHTS_FILE, self.adapter.weights)]
+        if self.draft is not None:
+            files += [(DRAFT_CONFIG_FILE, self.draft.config), (DRAFT_WEIGHTS_FILE, self.draft.weights)]
+        return files
+
+
+def read_upload(parts: Sequence[UploadedFile], limits: UploadLimits) -> UploadFiles:
+    """The adapter's two files (and its draft counterpart's) from the file parts of an upload; raise
+    AdapterFormatError naming what is wrong.
 
     A part is the config (or the weights) when its field name or its filename is adapter_config.json (or
-    adapter_model.safetensors); otherwise it must be a .zip or .tar.gz archive, recognised by its content or
-    its name. Either both files or one archive: anything else is refused.
+    adapter_model.safetensors), a draft counterpart's when it is draft/adapter_config.json (or
+    draft/adapter_model.safetensors); otherwise it must be a .zip or .tar.gz archive, recognised by its content or
+    its name. Either the files or one archive: anything else is refused.
     """
     for part in parts:
         for name in (part.field, part.filename):
@@ -106,10 +135,10 @@ def read_upload(parts: Sequence[UploadedFile], limits: UploadLimits) -> AdapterF
                 _refuse_by_name(name, where=f"the upload holds '{shorten(name)}'")
         _refuse_pickle(part.data, where=f"'{shorten(part.label)}'", field=part.label)
 
-    found: dict[str, list[UploadedFile]] = {CONFIG_FILE: [], WEIGHTS_FILE: []}
+    found: dict[str, list[UploadedFile]] = {name: [] for name in _UPLOAD_FILES}
     archives: list[UploadedFile] = []
     for part in parts:
-        role = next((name for name in (part.field, part.filename) if name in ADAPTER_FILES), None)
+        role = next((name for name in (part.field, part.filename) if name in _UPLOAD_FILES), None)
         if role is not None:
             found[role].append(part)
         elif _looks_like_archive(part):
@@ -120,7 +149,7 @@ def read_upload(parts: Sequence[UploadedFile], limits: UploadLimits) -> AdapterF
             )
 
     if archives:
-        loose = found[CONFIG_FILE] + found[WEIGHTS_FILE]
+        loose = [part for name in _UPLOAD_FILES for part in found[name]]
         if loose:
             raise AdapterFormatError(
                 f"the upload holds an archive ('{shorten(archives[0].label)}') and loose files "
@@ -136,12 +165,14 @@ def read_upload(parts: Sequence[UploadedFile], limits: UploadLimits) -> AdapterF
         files = read_archive(archives[0].data, label=archives[0].label, limits=limits)
     else:
         for name, candidates in found.items():
-            if not candidates:
+            if not candidates and name in ADAPTER_FILES:
                 raise AdapterFormatError(f"the upload has no {name}: {_HOW}", field=name)
             if len(candidates) > 1:
                 raise AdapterFormatError(f"the upload holds {name} {len(candidates)} times; send it once", field=name)
-        files = AdapterFiles(config=found[CONFIG_FILE][0].data, weights=found[WEIGHTS_FILE][0].data)
-    for name, data in ((CONFIG_FILE, files.config), (WEIGHTS_FILE, files.weights)):
+        files = _upload_files(
+            {name: candidates[0].data for name, candidates in found.items() if candidates}, where="the upload"
+        )
+    for name, data in files.named():
         _refuse_pickle(data, where=name, field=name)
         if data.startswith(_ZIP_MAGICS):
             raise AdapterFormatError(
@@ -149,12 +180,14 @@ def read_upload(parts: Sequence[UploadedFile], limits: UploadLimits) -> AdapterF
                 f"loaded and is refused; {WEIGHTS_FILE} must be safetensors (PEFT's save_pretrained writes it)",
                 field=name,
             )
-    refuse_custom_code(files.config)
+    refuse_custom_code(files.adapter.config)
+    if files.draft is not None:
+        refuse_custom_code(files.draft.config, name=DRAFT_CONFIG_FILE)
     return files
 
 
-def read_archive(data: bytes, *, label: str, limits: UploadLimits) -> AdapterFiles:
-    """The two files from a .zip or .tar.gz (told apart by content), read in memory under `limits`."""
+def read_archive(data: bytes, *, label: str, limits: UploadLimits) -> UploadFiles:
+    """The files from a .zip or .tar.gz (told apart by content), read in memory under `limits`."""
     if data.startswith(_ZIP_MAGICS):
         return _read_zip(data, label, limits)
     if data.startswith(_GZIP_MAGIC):
@@ -164,8 +197,9 @@ def read_archive(data: bytes, *, label: str, limits: UploadLimits) -> AdapterFil
     )
 
 
-def refuse_custom_code(config: bytes) -> None:
-    """Refuse an adapter_config.json with `auto_map` (transformers' pointer to code shipped with a model).
+def refuse_custom_code(config: bytes, *, name: str = CONFIG_FILE) -> None:
+    """Refuse an adapter_config.json (`name` in messages) with `auto_map` (transformers' pointer to code shipped
+    with a model).
 
     The engine's validator refuses it too, as an unknown field; this says why. Anything that is not a JSON
     object is left to the validator, which names the problem.
@@ -178,10 +212,29 @@ def refuse_custom_code(config: bytes) -> None:
         return
     if isinstance(values, dict) and values.get("auto_map") not in (None, False, "", [], {}):
         raise UnsupportedAdapterFeature(
-            f"{CONFIG_FILE} field 'auto_map' is {shorten(repr(values['auto_map']), 80)}: it points to custom model "
+            f"{name} field 'auto_map' is {shorten(repr(values['auto_map']), 80)}: it points to custom model "
             "code, and loraplex never runs code that comes with an upload; remove 'auto_map'",
             field="auto_map",
         )
+
+
+def _upload_files(data: dict[str, bytes], *, where: str) -> UploadFiles:
+    """The files found, by their names in _UPLOAD_FILES: both of the adapter's, and both or neither of the draft
+    counterpart's (the engine reads one alone as no counterpart, which would hide the mistake)."""
+    for name in ADAPTER_FILES:
+        if name not in data:
+            raise AdapterFormatError(f"{where} has no {name}: {_HOW}", field=name)
+    adapter = AdapterFiles(config=data[CONFIG_FILE], weights=data[WEIGHTS_FILE])
+    present = [name for name in DRAFT_FILES if name in data]
+    if not present:
+        return UploadFiles(adapter)
+    if len(present) == 1:
+        (missing,) = set(DRAFT_FILES) - set(present)
+        raise AdapterFormatError(
+            f"{where} holds {present[0]} but no {missing}: a draft counterpart needs both files (or neither)",
+            field=missing,
+        )
+    return UploadFiles(adapter, AdapterFiles(config=data[DRAFT_CONFIG_FILE], weights=data[DRAFT_WEIGHTS_FILE]))
 
 
 # --- names and content ----------------------------------------------------------------------------------------
@@ -218,15 +271,22 @@ def _looks_like_archive(part: UploadedFile) -> bool:
     return part.data.startswith((*_ZIP_MAGICS, _GZIP_MAGIC)) or any(n.endswith(ARCHIVE_SUFFIXES) for n in names)
 
 
+def _is_draft_folder(name: str, kind: str) -> bool:
+    # `zip -r` and `tar` of a folder write an entry for draft/ itself before its files; it holds nothing to read.
+    return kind == "folder" and name in (DRAFT_FOLDER, f"{DRAFT_FOLDER}/")
+
+
 def _check_member(name: str, kind: str, label: str) -> None:
     """One archive member's name and kind ("file", "folder", "symlink", "hardlink", "special")."""
     archive = f"'{shorten(label)}'"
     field = shorten(name)
     _refuse_by_name(name, where=f"{archive} holds '{field}'")
+    if _is_draft_folder(name, kind):
+        return
     if kind == "folder" or name.endswith("/"):
         raise AdapterFormatError(f"{archive} holds the folder '{field}': {_HOW_ARCHIVE}", field=field)
     parts = name.replace("\\", "/").split("/")
-    if len(parts) > 1 or name in (".", "..") or name.startswith("/"):
+    if name not in DRAFT_FILES and (len(parts) > 1 or name in (".", "..") or name.startswith("/")):
         raise AdapterFormatError(
             f"{archive} holds '{field}', a path with folder components or '..': {_HOW_ARCHIVE}", field=field
         )
@@ -236,14 +296,14 @@ def _check_member(name: str, kind: str, label: str) -> None:
             f"{archive} holds '{field}' as {what}: only regular files are accepted; pack the files themselves",
             field=field,
         )
-    if name not in ADAPTER_FILES:
+    if name not in _UPLOAD_FILES:
         raise AdapterFormatError(
             f"{archive} holds '{field}', which is not an adapter file: {_HOW_ARCHIVE}", field=field
         )
 
 
 class _Members:
-    """The two files as an archive yields them, with the duplicate and size checks both archive kinds share."""
+    """The files as an archive yields them, with the duplicate and size checks both archive kinds share."""
 
     def __init__(self, label: str, limits: UploadLimits) -> None:
         self.label = label
@@ -253,13 +313,16 @@ class _Members:
         self.num_declared_bytes = 0
         self.num_read_bytes = 0
 
-    def admit(self, name: str, kind: str, declared_size: int) -> int:
-        """Check a member before reading it; return the most bytes it may inflate to."""
+    def admit(self, name: str, kind: str, declared_size: int) -> int | None:
+        """Check a member before reading it; return the most bytes it may inflate to, or None for the draft/
+        folder's own entry, which has nothing to read."""
         _check_member(name, kind, self.label)
         if name in self.admitted:
             raise AdapterFormatError(f"'{shorten(self.label)}' holds '{name}' twice", field=name)
         self.admitted.add(name)
-        limit = self.limits.max_config_bytes if name == CONFIG_FILE else self.limits.max_weights_bytes
+        if _is_draft_folder(name, kind):
+            return None
+        limit = self.limits.max_config_bytes if name in _CONFIG_FILES else self.limits.max_weights_bytes
         if declared_size > limit:
             raise UploadTooLarge(
                 f"'{shorten(self.label)}' holds {name} of {declared_size} bytes (as the archive declares it); at most "
@@ -289,11 +352,11 @@ class _Members:
                 )
         self.files[name] = bytes(buffer)
 
-    def result(self) -> AdapterFiles:
+    def result(self) -> UploadFiles:
         for name in ADAPTER_FILES:
             if name not in self.files:
                 raise AdapterFormatError(f"'{shorten(self.label)}' has no {name}: {_HOW_ARCHIVE}", field=name)
-        return AdapterFiles(config=self.files[CONFIG_FILE], weights=self.files[WEIGHTS_FILE])
+        return _upload_files(self.files, where=f"'{shorten(self.label)}'")
 
 
 class _Readable(Protocol):
@@ -303,7 +366,7 @@ class _Readable(Protocol):
 # --- zip ------------------------------------------------------------------------------------------------------
 
 
-def _read_zip(data: bytes, label: str, limits: UploadLimits) -> AdapterFiles:
+def _read_zip(data: bytes, label: str, limits: UploadLimits) -> UploadFiles:
     members = _Members(label, limits)
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
@@ -311,6 +374,8 @@ def _read_zip(data: bytes, label: str, limits: UploadLimits) -> AdapterFiles:
             # Every member's name, kind and declared size before any is inflated.
             admitted = [(info, members.admit(info.orig_filename, _zip_kind(info), info.file_size)) for info in infos]
             for info, limit in admitted:
+                if limit is None:
+                    continue
                 if info.flag_bits & 0x1:
                     raise AdapterFormatError(
                         f"'{shorten(label)}' holds {info.orig_filename} encrypted; pack it without a password",
@@ -386,7 +451,7 @@ class _CappedStream:
         self._inner.close()
 
 
-def _read_tar_gz(data: bytes, label: str, limits: UploadLimits) -> AdapterFiles:
+def _read_tar_gz(data: bytes, label: str, limits: UploadLimits) -> UploadFiles:
     members = _Members(label, limits)
     inflated = _CappedStream(
         gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb"),
@@ -399,6 +464,8 @@ def _read_tar_gz(data: bytes, label: str, limits: UploadLimits) -> AdapterFiles:
         with tarfile.open(fileobj=inflated, mode="r|") as archive:
             for member in archive:
                 limit = members.admit(member.name, _tar_kind(member), member.size)
+                if limit is None:
+                    continue
                 stream = archive.extractfile(member)
                 if stream is None:  # only for non-files, which admit refused
                     raise AdapterFormatError(f"'{shorten(label)}': cannot read '{member.name}'", field=member.name)
