@@ -168,20 +168,16 @@ class SpeculationGate:
     The per-row policy (`plan_speculative_lengths` with the cost model's min_gain) predicts what a proposal brings;
     the gate checks the prediction against the clock. Per bucket of decoding rows (`batch_bucket`) it keeps the
     emitted tokens per second of decode steps that verified proposals and of those that did not (means that forget,
-    so they follow the load), and speculates where the first is higher. Each side is measured `warmup` times, the
-    two alternating, before they are compared, or only once each when one is `decisive` times faster than the other
-    (a draft model's first speculating step catches it up on everything its rows said: warm-up steps of a batch size
-    seen only at the tail of a wave are dear, decision 0032). Then the side not chosen is checked again after
-    `explore_every` steps, and after twice as many each time a check leaves the choice as it was (up to
-    `max_interval`), back to `explore_every` when a check changes it. So a bucket that turned against speculation
-    (or for it) is noticed, and a settled one pays for checks less and less often: the losing side's cost falls
-    below one step in `max_interval`.
+    so they follow the load), and speculates where the first is higher. Each side is measured `warmup` times before
+    they are compared; then the side not chosen is checked again after `explore_every` steps, and after twice as
+    many each time a check leaves the choice as it was (up to `max_interval`), back to `explore_every` when a check
+    changes it. So a bucket that turned against speculation (or for it) is noticed, and a settled one pays for
+    checks less and less often: the losing side's cost falls below one step in `max_interval`.
     """
 
     explore_every: int = 16
     max_interval: int = 256
     warmup: int = 3
-    decisive: float = 1.5
     forget: float = 0.7
     buckets: dict[int, _GateBucket] = field(default_factory=dict)
 
@@ -191,9 +187,10 @@ class SpeculationGate:
     def allows(self, num_rows: int) -> bool:
         """Whether a decode step of `num_rows` rows may speculate (counts as the bucket's decision for the step)."""
         bucket = self._bucket(num_rows)
-        if (bucket.num_on < self.warmup or bucket.num_off < self.warmup) and not self._decided(bucket):
-            # Warming up: alternate while both sides need measurements, then the one that still does.
-            return bucket.num_on <= bucket.num_off if bucket.num_off < self.warmup else True
+        if bucket.num_on < self.warmup:
+            return True
+        if bucket.num_off < self.warmup:
+            return False
         favoured = bucket.rate_on >= bucket.rate_off
         if bucket.interval == 0:
             bucket.interval = bucket.until_check = self.explore_every
@@ -202,12 +199,6 @@ class SpeculationGate:
             return favoured
         bucket.checking, bucket.favoured = True, favoured
         return not favoured
-
-    def _decided(self, bucket: _GateBucket) -> bool:
-        """Whether one measurement of each side already shows one `decisive` times faster."""
-        if bucket.num_on == 0 or bucket.num_off == 0 or bucket.rate_on <= 0 or bucket.rate_off <= 0:
-            return False
-        return max(bucket.rate_on / bucket.rate_off, bucket.rate_off / bucket.rate_on) >= self.decisive
 
     def observe(self, num_rows: int, *, speculated: bool, num_emitted: int, seconds: float) -> None:
         """Book a decode step of `num_rows` rows that emitted `num_emitted` tokens in `seconds`, and whether it verified
