@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support.draft_models import (
+from _support.speculation import (
     DEMO,
     GREEDY,
     PREEMPTION,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _support.draft_models import (
+from _support.speculation import (
     DEMO,
     GREEDY,
     PREEMPTION,

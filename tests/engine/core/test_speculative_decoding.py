@@ -7,11 +7,11 @@ grammars) speculate and answer as without it; rows with logits processors do not
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _support.speculation import DEMO, GREEDY, PROMPTS, UPPER
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
 from loraplex.engine.core.request import Request
@@ -19,19 +19,7 @@ from loraplex.engine.core.speculative_config import SpeculativeConfig
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[3]
-DEMO = REPO / "demo" / "model"
-UPPER = REPO / "demo" / "adapters" / "upper"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-PROMPTS = [
-    'The "for" statement is used to iterate over the elements of a sequence. The "for" statement',
-    'Tell me about the "json" module.',
-    'The "if" statement is used for conditional execution: The "if"',
-    "What is the difference between a list and a tuple?",
-    'The "while" statement is used for repeated execution as long as an expression is true. The "while"',
-    'Tell me about the "try" statement.',
-]
 
 
 def demo(**options: Any) -> LLM:

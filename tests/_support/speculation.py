@@ -1,5 +1,5 @@
-"""The demo model, prompts and engine helpers the draft-model speculation tests share (test_draft_model.py,
-test_draft_adapters.py)."""
+"""The demo model, prompts and engine helpers the speculative decoding tests share (test_speculative_decoding.py,
+test_draft_model.py, test_draft_adapters.py)."""
 
 from __future__ import annotations
 
