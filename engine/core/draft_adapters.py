@@ -25,15 +25,13 @@ from pathlib import Path
 import torch
 
 from loraplex.engine.core.request import Request
-from loraplex.engine.lora import AdapterError, adapter_digest
+from loraplex.engine.lora import DRAFT_FOLDER, AdapterError, adapter_digest
 from loraplex.engine.lora.batch import LoraCompute
 from loraplex.engine.lora.manager import AdapterEntry, AdapterManager, AdapterState
 from loraplex.engine.lora.ref import S3_SCHEME, AdapterRef
 from loraplex.engine.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-DRAFT_FOLDER = "draft"
 
 
 def draft_source(source: str) -> str:

@@ -12,7 +12,13 @@ names the file, config field or tensor at fault.
 
 from loraplex.engine.lora.adapter import DEFAULT_MAX_RANK, LoraAdapter, LoraModule, parse_adapter
 from loraplex.engine.lora.adapter_config import CONFIG_FILE, MAX_CONFIG_BYTES, LoraAdapterConfig
-from loraplex.engine.lora.adapter_files import FORBIDDEN_SUFFIXES, WEIGHTS_FILE, adapter_digest, read_adapter_dir
+from loraplex.engine.lora.adapter_files import (
+    DRAFT_FOLDER,
+    FORBIDDEN_SUFFIXES,
+    WEIGHTS_FILE,
+    adapter_digest,
+    read_adapter_dir,
+)
 from loraplex.engine.lora.base_modules import MODULES, module_key, module_shape
 from loraplex.engine.lora.errors import (
     AdapterConfigError,
@@ -29,6 +35,7 @@ from loraplex.engine.lora.safetensors_format import TensorInfo, load_tensors, pa
 __all__ = [
     "CONFIG_FILE",
     "DEFAULT_MAX_RANK",
+    "DRAFT_FOLDER",
     "FORBIDDEN_SUFFIXES",
     "MAX_CONFIG_BYTES",
     "MODULES",

@@ -11,6 +11,9 @@ from loraplex.engine.lora.adapter_config import CONFIG_FILE, MAX_CONFIG_BYTES
 from loraplex.engine.lora.errors import AdapterFormatError
 
 WEIGHTS_FILE = "adapter_model.safetensors"
+# Beside an adapter's two files: its draft counterpart's two files, the LoRA a draft model runs for its requests
+# (engine/core/draft_adapters.py).
+DRAFT_FOLDER = "draft"
 DEFAULT_MAX_WEIGHTS_BYTES = 4 << 30
 # Pickle (torch.save) and code: loading either can run anything, so their mere presence refuses the folder.
 FORBIDDEN_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".py", ".pyc")

@@ -477,7 +477,7 @@ async def test_the_embedded_engine_answers_the_same_with_the_counterpart(
 ) -> None:
     """Uploaded counterparts reach the engine where it looks for them (draft/ beside the adapter's files), and
     speculating under one changes no token: greedy answers equal the adapter's without a counterpart."""
-    from _support.draft_models import DEMO, PROMPTS, UPPER
+    from _support.speculation import DEMO, PROMPTS, UPPER
 
     speculative = {"method": "draft_model", "model": str(make_truncated_draft(DEMO, tmp_path / "draft", 2))}
     settings = demo_settings.model_copy(update={"engine_speculative_config": json.dumps(speculative)})

@@ -286,11 +286,14 @@ class TestOutbox:
         assert await up.drain_once() == 0
         assert await count(sessions) == 1
 
-    async def test_the_drainer_loop_drains_and_stops_on_cancel(
+    async def test_the_drainer_loop_drains_and_stops_when_told(
         self, sessions: async_sessionmaker[AsyncSession], store: RedisStore, tenant_ids: list[uuid.UUID]
     ) -> None:
+        """Stopped as the app's lifespan stops it: by its event, between rounds (a task cancelled in the middle of a
+        database call can leave its connection half-closed, and awaiting it then hung a CI run for 10 minutes)."""
         await RedisOutbox(store).append(event(tenant_ids[0]).encode())
-        drainer = asyncio.create_task(open_usage_recorder(sessions, store).run_drainer(0.05))
+        stop = asyncio.Event()
+        drainer = asyncio.create_task(open_usage_recorder(sessions, store).run_drainer(0.05, stop))
         try:
 
             async def drained() -> bool:
@@ -298,9 +301,17 @@ class TestOutbox:
 
             await wait_for_async(drained, 5, what="the drainer to write the entry")
         finally:
-            drainer.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await drainer
+            stop.set()
+            await asyncio.wait_for(drainer, 10)
+
+    async def test_a_waiting_drainer_ends_on_cancel(
+        self, sessions: async_sessionmaker[AsyncSession], store: RedisStore
+    ) -> None:
+        drainer = asyncio.create_task(open_usage_recorder(sessions, store).run_drainer(3600))
+        await asyncio.sleep(0.05)  # in its wait for the next round
+        drainer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(drainer, 10)
 
 
 # ---------------------------------------------------------------------------------------------------------------

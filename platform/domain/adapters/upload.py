@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from loraplex.engine.core.draft_adapters import DRAFT_FOLDER
 from loraplex.engine.lora import (
     CONFIG_FILE,
+    DRAFT_FOLDER,
     FORBIDDEN_SUFFIXES,
     MAX_CONFIG_BYTES,
     WEIGHTS_FILE,
