@@ -14,6 +14,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from loraplex.engine.core.config import EngineConfig, parse_memory_budget
     from loraplex.engine.core.outputs import CompletionOutput, RequestOutput
+    from loraplex.engine.core.reasoning_config import (
+        REASONING_EFFORTS,
+        REASONING_PARSERS,
+        ReasoningConfig,
+        parse_reasoning_budgets,
+    )
     from loraplex.engine.core.sampling_params import SamplingParams, StructuredOutputsParams
     from loraplex.engine.core.speculative_config import SpeculativeConfig
     from loraplex.engine.errors import CheckpointError, EngineError, RequestError
@@ -27,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "QUANTIZATIONS",
+    "REASONING_EFFORTS",
+    "REASONING_PARSERS",
     "AdapterRef",
     "AdapterState",
     "AsyncEngine",
@@ -37,12 +45,14 @@ __all__ = [
     "LoRARequest",
     "ModelConfig",
     "QuantizationName",
+    "ReasoningConfig",
     "RequestError",
     "RequestOutput",
     "SamplingParams",
     "SpeculativeConfig",
     "StructuredOutputsParams",
     "parse_memory_budget",
+    "parse_reasoning_budgets",
 ]
 
 _WHERE = {
@@ -55,6 +65,10 @@ _WHERE = {
     "SamplingParams": "loraplex.engine.core.sampling_params",
     "StructuredOutputsParams": "loraplex.engine.core.sampling_params",
     "SpeculativeConfig": "loraplex.engine.core.speculative_config",
+    "ReasoningConfig": "loraplex.engine.core.reasoning_config",
+    "REASONING_EFFORTS": "loraplex.engine.core.reasoning_config",
+    "REASONING_PARSERS": "loraplex.engine.core.reasoning_config",
+    "parse_reasoning_budgets": "loraplex.engine.core.reasoning_config",
     "CheckpointError": "loraplex.engine.errors",
     "EngineError": "loraplex.engine.errors",
     "RequestError": "loraplex.engine.errors",

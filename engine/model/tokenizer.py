@@ -193,9 +193,12 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Renders `messages` ({"role": ..., "content": ...}, and tool calls and results) and `tools` (OpenAI's
         function definitions, as transformers passes them) with the model's chat template, as transformers does.
+        `template_kwargs` are further variables for the template (vLLM's `chat_template_kwargs`, e.g. Qwen3's
+        `enable_thinking`, and `reasoning_effort`); they cannot replace the variables above, which win.
 
         Raises RequestError when the model has no template or the template rejects the conversation (a template's
         `raise_exception("...")` message is passed on).
@@ -208,24 +211,33 @@ class Tokenizer:
                 param="messages",
             )
         try:
-            return self._template.render(
+            variables: dict[str, Any] = dict(template_kwargs or {})
+            variables.update(
                 messages=[dict(message) for message in messages],
                 add_generation_prompt=add_generation_prompt,
                 tools=[dict(tool) for tool in tools] if tools else None,
                 documents=None,
                 **self._special_tokens,
             )
+            return self._template.render(**variables)
         except jinja2.TemplateError as exc:
             raise RequestError(f"the chat template rejected the messages: {exc.message}", param="messages") from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             # Template code is the model author's; whatever it trips over in these messages is the caller's to fix.
             raise RequestError(f"the chat template failed on the messages: {exc}", param="messages") from exc
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of the rendered chat: special tokens come from the template only, so BOS is never doubled."""
-        return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt), add_special_tokens=False
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
         )
+        return self.encode(text, add_special_tokens=False)
 
     def surely_longer_than(self, text: str, num_tokens: int) -> bool:
         """Whether `text` encodes to more than `num_tokens` tokens, told from its length alone (False when unsure).
