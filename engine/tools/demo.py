@@ -37,6 +37,8 @@ CORPUS_FILE = "demo_corpus.txt"
 
 # ChatML, opened with BOS as Llama 3's template does: the rendered prompt carries every special token, so it is
 # encoded with add_special_tokens=False. Unknown roles are refused the way real templates refuse them.
+# `enable_thinking` set to false (Qwen3's variable) puts an empty, closed think block after the generation prompt, so
+# a model that thinks first (the demo's `think` adapter) answers directly; unset or true, nothing is added.
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -45,7 +47,9 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 _ARCHITECTURE_CLASSES: dict[str, str] = {
