@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from loraplex.engine.core.reasoning_config import ReasoningConfig
 from loraplex.engine.core.speculative_config import SpeculativeConfig
 from loraplex.engine.model.quantization import QUANTIZATIONS, QuantizationName
 
@@ -65,6 +66,9 @@ class EngineConfig:
     # measured step cost, no gate), so how many proposals are verified does not depend on the machine's speed or
     # load. Answers are the same either way; tests that count proposals use it.
     speculative_use_clock: bool = True
+    # Reasoning models (vLLM's --reasoning-parser, with per-tier thinking budgets): the think block is followed per
+    # request, split from the answer, counted, and held to the request's budget (reasoning.py). None: off.
+    reasoning: ReasoningConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPE_NAMES):

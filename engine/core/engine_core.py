@@ -18,6 +18,7 @@ from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.draft_model import DraftModel, DraftModelProposer
 from loraplex.engine.core.output_processor import OutputProcessor
 from loraplex.engine.core.outputs import RequestOutput
+from loraplex.engine.core.reasoning import Phase, ReasoningMarkers, ReasoningState
 from loraplex.engine.core.rejection_sampler import accepted_prefix
 from loraplex.engine.core.request import Request, RequestStatus
 from loraplex.engine.core.request_memory import RequestMemory
@@ -179,6 +180,11 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.eos_token_ids = self.tokenizer.eos_token_ids | self.model_config.eos_token_ids
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.reasoning = (
+            ReasoningMarkers.of(config.reasoning, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+            if config.reasoning is not None
+            else None
+        )
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_batched_tokens = 0
@@ -277,6 +283,7 @@ class EngineCore:
             grammar=GrammarState(checked.grammar, self.model_config.vocab_size)
             if checked.grammar is not None
             else None,
+            reasoning=self._reasoning_state(checked),
             prefill_after=self.requests.get(prefill_after) if prefill_after is not None else None,
             fairness_key=fairness_key,
             fairness_weight=float(fairness_weight),
@@ -286,6 +293,15 @@ class EngineCore:
         self.outputs.add(request)
         self.scheduler.add(request)
         return request
+
+    def _reasoning_state(self, checked: CheckedPrompt) -> ReasoningState | None:
+        """Where a reasoning request's think block starts (reasoning.py): read from its prompt."""
+        if not checked.params.reasoning or self.reasoning is None:
+            return None
+        phase = self.reasoning.initial_phase(
+            checked.token_ids, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
+        )
+        return ReasoningState.start(self.reasoning, checked.params.thinking_token_budget, phase)
 
     def checked(self, prompt: list[int] | CheckedPrompt, params: SamplingParams | None) -> CheckedPrompt:
         """`prompt` as checked: itself if it is a CheckedPrompt already (with no `params`: it carries its own), else
@@ -324,6 +340,14 @@ class EngineCore:
             raise RequestError(
                 f"logit_bias names token {token}, which is not in the vocabulary (ids 0 to {vocab - 1})",
                 param="logit_bias",
+            )
+        if params.reasoning and self.reasoning is None:
+            budget = params.thinking_token_budget is not None
+            raise RequestError(
+                f"{'thinking_token_budget' if budget else 'reasoning'} needs a reasoning model: this engine was started "
+                "without --reasoning-parser",
+                code="unsupported_value",
+                param="thinking_token_budget" if budget else "reasoning",
             )
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
         return CheckedPrompt(list(prompt_token_ids), params, min(params.max_tokens or room, room), grammar)
@@ -403,25 +427,44 @@ class EngineCore:
         """What each row draws at each of its positions (one, or 1 + its proposal's length: the logits rows of
         runner.PreparedStep), with its logprobs when asked, in one sampler call. Position j of a row that verifies a
         proposal is sampled as the row would be had it kept the first j proposals: its output so far (for
-        penalties), its grammar's mask and its forbidden tokens (min_tokens) all include them. A seeded row draws
-        each position with that position's own generator (sampler.position_generator), so what it draws does not
-        depend on whether the position was speculated."""
+        penalties), its grammar's mask, its forbidden tokens (min_tokens) and its think block's forced tokens all
+        include them. A seeded row draws each position with that position's own generator
+        (sampler.position_generator), so what it draws does not depend on whether the position was speculated.
+
+        A row inside its think block has no grammar mask: the grammar constrains the answer after the block. A row
+        with a grammar that may still open a block may take the grammar's tokens or the opening marker's first."""
         params: list[SamplingParams] = []
         generators: list[torch.Generator | None] = []
         outputs: list[list[int]] = []
         forbidden: list[frozenset[int]] = []
+        forced: list[int | None] = []
         prompts: list[list[int]] = []
         constrained: list[tuple[int, GrammarState, list[int]]] = []
+        also_allowed: list[tuple[int, int]] = []
         for request, proposal in zip(rows, proposals, strict=True):
             row_params = request.sampling_params
             seed = None if row_params.is_greedy else row_params.seed
+            state = request.reasoning
             if request.grammar is not None:
-                constrained.append((len(params), request.grammar, proposal))
+                if state is None or not state.is_open:
+                    constrained.append((len(params), request.grammar, proposal))
+                elif state.phase is Phase.OPENING and not state.matched:  # such a row never speculates
+                    constrained.append((len(params), request.grammar, []))
+                    if state.forbids_marker() is None:
+                        also_allowed.append((len(params), state.markers.start_ids[0]))
             done = request.output_token_ids
             for j in range(len(proposal) + 1):
                 params.append(row_params)
                 outputs.append(done if j == 0 else done + proposal[:j])
-                forbidden.append(self.outputs.forbidden_tokens(request, ahead=j))
+                banned = self.outputs.forbidden_tokens(request, ahead=j)
+                if state is not None:
+                    banned |= self.outputs.reasoning_forbidden(request, state)
+                    forced.append(state.forced(complete_marker=request.grammar is not None))
+                    if j < len(proposal):
+                        state = state.after(proposal[j])
+                else:
+                    forced.append(None)
+                forbidden.append(banned)
                 prompts.append(request.prompt_token_ids)
                 generators.append(None if seed is None else position_generator(seed, len(done) + j, self.device))
         metadata = SamplingMetadata.build(
@@ -432,9 +475,12 @@ class EngineCore:
             default_generator=self._default_generator,
             device=self.device,
             prompt_token_ids=prompts,
-            grammar=fill_bitmasks(constrained, len(params), self.model_config.vocab_size, self.grammars.json_safe)
+            grammar=fill_bitmasks(
+                constrained, len(params), self.model_config.vocab_size, self.grammars.json_safe, also_allowed
+            )
             if constrained
             else None,
+            forced_token_ids=forced if any(token is not None for token in forced) else None,
         )
         sampled = self.sampler.sample(logits, metadata)
         drawn: list[list[tuple[int, TokenLogprobs | None]]] = []

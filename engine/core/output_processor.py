@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.engine.core.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from loraplex.engine.core.outputs import CompletionOutput, Logprob, PositionLogprobs, ReasoningOutput, RequestOutput
+from loraplex.engine.core.reasoning import Phase, ReasoningState
 from loraplex.engine.core.request import Request, RequestStatus
 from loraplex.engine.core.sampler import TokenLogprobs
 from loraplex.engine.model.detokenizer import IncrementalDetokenizer
@@ -26,6 +27,7 @@ class _Stream:
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
     hold_back: int = 0  # characters withheld from a running request's visible text
+    reasoning_end: int | None = None  # characters of `text` its think block takes, once it is over (0: none)
 
 
 class OutputProcessor:
@@ -43,6 +45,7 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
             hold_back=max((len(s) for s in params.stop), default=1) - 1,
+            reasoning_end=0 if request.reasoning is not None and not request.reasoning.is_open else None,
         )
 
     def remove(self, request_id: str) -> None:
@@ -57,6 +60,20 @@ class OutputProcessor:
         stops = frozenset(params.stop_token_ids or ())
         return stops if params.ignore_eos else stops | self.eos_token_ids
 
+    def reasoning_forbidden(self, request: Request, state: ReasoningState) -> frozenset[int]:
+        """Tokens a reasoning row may not sample where its think block is `state`: its stop and EOS tokens while it
+        thinks under a budget (it must answer after thinking), the opening marker when it may not think at all."""
+        banned: set[int] = set()
+        if state.forbids_stop:
+            params = request.sampling_params
+            banned.update(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned.update(self.eos_token_ids)
+        marker = state.forbids_marker()
+        if marker is not None:
+            banned.add(marker)
+        return frozenset(banned)
+
     def process_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> RequestStatus | None:
         """Record a sampled token; return the finished status when this token ends the request."""
         params = request.sampling_params
@@ -68,8 +85,19 @@ class OutputProcessor:
             return RequestStatus.FINISHED_STOPPED
 
         request.output_token_ids.append(token_id)
+        before = request.reasoning
+        answer = before is None or not before.is_open  # this token is part of the answer, not of a think block
+        closed_at: int | None = None  # where the block ends in the text, if this token ends it
+        if before is not None and before.is_open:
+            after = before.after(token_id)
+            request.reasoning = after
+            if not after.is_open:
+                if before.phase is Phase.OPENING:  # the output did not open a block: this token starts the answer
+                    answer, closed_at = True, 0
+                else:
+                    closed_at = -1  # after this token's text
         grammar_done = False
-        if request.grammar is not None:
+        if request.grammar is not None and answer:
             if not request.grammar.accept(token_id):
                 request.error = f"token {token_id} does not fit the request's output grammar"
                 return RequestStatus.FINISHED_ERROR
@@ -77,11 +105,13 @@ class OutputProcessor:
         if logprobs is not None and stream.logprobs is not None:
             stream.logprobs.append(self._position_logprobs(logprobs))
             stream.cumulative_logprob = (stream.cumulative_logprob or 0.0) + logprobs.logprob
-        before = len(stream.text)
+        before_chars = len(stream.text)
         stream.text += stream.detokenizer.add([token_id])
+        if closed_at is not None:
+            stream.reasoning_end = len(stream.text) if closed_at < 0 else closed_at
 
         if params.stop:
-            window_start = max(0, before - stream.hold_back)
+            window_start = max(0, before_chars - stream.hold_back)
             hit = _first_stop(stream.text, params.stop, window_start)
             if hit is not None:
                 index, stop = hit
@@ -114,6 +144,7 @@ class OutputProcessor:
             logprobs=list(stream.logprobs) if stream.logprobs is not None else None,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
+            reasoning=self._reasoning(request, stream, len(text), finished),
         )
         return RequestOutput(
             request_id=request.request_id,
@@ -125,6 +156,17 @@ class OutputProcessor:
             lora_name=request.adapter.ref.name if request.adapter is not None else None,
             error=request.error,
         )
+
+    @staticmethod
+    def _reasoning(request: Request, stream: _Stream, num_chars: int, finished: bool) -> ReasoningOutput | None:
+        state = request.reasoning
+        if state is None:
+            return None
+        if state.phase is Phase.OPENING:
+            # A finished output that never completed the opening marker has no think block: its text is the answer.
+            return ReasoningOutput(0, 0) if finished else ReasoningOutput(state.num_tokens, None, deciding=True)
+        end = stream.reasoning_end
+        return ReasoningOutput(state.num_tokens, None if end is None else min(end, num_chars))
 
     def _position_logprobs(self, logprobs: TokenLogprobs) -> PositionLogprobs:
         decode = self.tokenizer.decode

@@ -16,6 +16,17 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+@dataclass(frozen=True, slots=True)
+class ReasoningOutput:
+    """A reasoning request's think block so far (reasoning.py)."""
+
+    num_tokens: int  # output tokens of the block: its markers, the model's thinking and any forced closing text
+    # Characters of `text` the block takes, markers included: 0 when the output has none; None while it is open
+    # (all text so far is the block's) or while the output may still open one (`deciding`).
+    end: int | None
+    deciding: bool = False  # the output's first tokens may be the opening marker: none of its text is known yet
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
@@ -25,6 +36,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
+    reasoning: ReasoningOutput | None = None  # a reasoning request's think block; None for other requests
 
     @property
     def finished(self) -> bool:

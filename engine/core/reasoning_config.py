@@ -116,7 +116,7 @@ class ReasoningConfig:
             except ValueError as exc:
                 raise ValueError(f"not valid JSON: {exc}") from None
         if not isinstance(value, Mapping):
-            raise ValueError("must be an object such as {\"parser\": \"qwen3\", \"budgets\": {\"low\": 64}}")
+            raise ValueError('must be an object such as {"parser": "qwen3", "budgets": {"low": 64}}')
         unknown = sorted(set(value) - {"parser", "budgets", "default_effort", "closing_text"})
         if unknown:
             raise ValueError(f"unknown field {unknown[0]!r}; fields are parser, budgets, default_effort, closing_text")

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from loraplex.engine.core.ngram_proposer import NgramIndex
+from loraplex.engine.core.reasoning import ReasoningState
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.speculation_policy import AcceptanceEstimate
 from loraplex.engine.core.structured_output import GrammarState
@@ -51,6 +52,9 @@ class Request:
     adapter: AdapterEntry | None = None  # None: the base model
     error: str | None = None  # why it finished with FINISHED_ERROR
     grammar: GrammarState | None = None  # its output grammar's matcher (advanced by the output processor)
+    # Its think block (reasoning.py), advanced by the output processor; None when it does not reason. The output
+    # grammar applies once the block is over.
+    reasoning: ReasoningState | None = None
     # Another choice of the same prompt: this one starts once that one's prompt is prefilled, so that it takes the
     # prompt's blocks from the prefix cache instead of computing them again (n > 1).
     prefill_after: Request | None = None

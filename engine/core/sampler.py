@@ -7,6 +7,8 @@ Semantics, per row, in this order (the reference loop; the code does it for all 
    `x[t] *= repetition_penalty` (vLLM's); then `logits_processors`, in order; then the grammar's mask (tokens the
    row's grammar does not allow) and the caller's forbidden tokens (EOS and stop tokens before `min_tokens`) are
    set to -inf, so nothing before can re-allow them.
+   A forced row (a think block closed by its budget, reasoning.py) takes its forced token after steps 2-3, whatever
+   they drew; its logprobs are still those of step 4.
 2. Greedy rows (temperature below GREEDY_TEMPERATURE, whatever else is set) take `argmax`: the lowest index
    on ties, as `torch.argmax`.
 3. Other rows: x = logits / temperature, p = softmax(x). Every filter keeps an upper set of x, ties included:
@@ -134,6 +136,8 @@ class SamplingMetadata:
     seen_ids: torch.Tensor | None = None  # [num_penalized, longest prompt+output] int64, padded with 0 (repetition)
     seen_mask: torch.Tensor | None = None  # same shape, float32: 1 for a real token
     grammar: GrammarMasks | None = None  # the constrained rows' allowed tokens
+    forced_rows: torch.Tensor | None = None  # [num_forced] int64 rows whose token is decided already
+    forced_token_ids: torch.Tensor | None = None  # [num_forced] int64 their tokens (a think block's forced close)
 
     @classmethod
     def build(
@@ -147,10 +151,12 @@ class SamplingMetadata:
         default_generator: torch.Generator | None = None,
         prompt_token_ids: Sequence[list[int]] | None = None,
         grammar: GrammarMasks | None = None,
+        forced_token_ids: Sequence[int | None] | None = None,
     ) -> SamplingMetadata:
         """One step's metadata: row i samples for `params[i]` with `generators[i]` (the request's own generator,
         seeded once when the request started, or None), whose tokens so far are `output_token_ids[i]` and which
-        may not sample `forbidden_token_ids[i]` this step."""
+        may not sample `forbidden_token_ids[i]` this step; a row whose `forced_token_ids[i]` is set takes that token
+        whatever its logits say (its logprobs are still the model's)."""
         num_rows = len(params)
         forbidden = forbidden_token_ids if forbidden_token_ids is not None else [frozenset()] * num_rows
         if not len(generators) == len(output_token_ids) == len(forbidden) == num_rows:
@@ -199,6 +205,7 @@ class SamplingMetadata:
             penalties["presence_penalty"] = float_tensor([params[i].presence_penalty for i in penalized])
             penalties["frequency_penalty"] = float_tensor([params[i].frequency_penalty for i in penalized])
 
+        forced = [(row, token) for row, token in enumerate(forced_token_ids or ()) if token is not None]
         return cls(
             num_rows=num_rows,
             all_greedy=not random_rows,
@@ -224,6 +231,8 @@ class SamplingMetadata:
             bias_token_ids=int_tensor([t for _, t, _ in bias_pairs]) if bias_pairs else None,
             bias_values=float_tensor([b for _, _, b in bias_pairs]) if bias_pairs else None,
             grammar=grammar,
+            forced_rows=int_tensor([row for row, _ in forced]) if forced else None,
+            forced_token_ids=int_tensor([token for _, token in forced]) if forced else None,
             **penalties,
         )
 
@@ -257,6 +266,8 @@ class Sampler:
         raw = logits.float()
         processed = adjusted_logits(raw, metadata)
         token_ids = _choose(processed, metadata)
+        if metadata.forced_rows is not None and metadata.forced_token_ids is not None:
+            token_ids[metadata.forced_rows] = metadata.forced_token_ids
         if metadata.max_num_logprobs is None:
             return SamplerOutput(token_ids=token_ids.tolist())
         return _with_logprobs(raw, token_ids, metadata.max_num_logprobs, metadata)

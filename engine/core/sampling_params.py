@@ -232,6 +232,11 @@ class SamplingParams:
     skip_special_tokens: bool
     include_stop_str_in_output: bool
     logits_processors: tuple[LogitsProcessor, ...]  # applied in order to the request's logits row, pre-sampling
+    # The output may hold a think block (the engine's --reasoning-parser markers): the engine follows it, counts its
+    # tokens, starts the output grammar after it, and, with a budget, closes it once the row has spent that many
+    # tokens inside it (vLLM's thinking_token_budget; 0 closes it before the first token). A budget implies reasoning.
+    reasoning: bool
+    thinking_token_budget: int | None
 
     def __init__(
         self,
@@ -256,6 +261,8 @@ class SamplingParams:
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
         logits_processors: Sequence[LogitsProcessor] | None = None,
+        reasoning: bool = False,
+        thinking_token_budget: int | None = None,
     ) -> None:
         _int("n", n, low=1, high=MAX_N)
         if not _is_int(top_k) or top_k < -1:
@@ -269,6 +276,8 @@ class SamplingParams:
             _int("seed", seed, low=_MIN_SEED, high=_MAX_SEED)
         if logprobs is not None:
             _int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
+        if thinking_token_budget is not None:
+            _int("thinking_token_budget", thinking_token_budget, low=0)
         if structured_outputs is not None and not isinstance(structured_outputs, StructuredOutputsParams):
             raise _invalid("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         fields: dict[str, object] = {
@@ -298,6 +307,8 @@ class SamplingParams:
             "skip_special_tokens": _bool("skip_special_tokens", skip_special_tokens),
             "include_stop_str_in_output": _bool("include_stop_str_in_output", include_stop_str_in_output),
             "logits_processors": _processors(logits_processors),
+            "reasoning": _bool("reasoning", reasoning) or thinking_token_budget is not None,
+            "thinking_token_budget": thinking_token_budget,
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)

@@ -6,8 +6,8 @@ verifies in the step's free room, and returns them; the scheduler grows those ro
 preempting for it). After the forward, the engine verifies (rejection_sampler.py), emits what was kept plus one
 token, and books each row's outcome here (its acceptance estimate and the counters /metrics reads).
 
-Every row speculates but one with logits processors: a processor is the caller's code, which may keep state and
-must see each position once, in order. A verifying row's positions are sampled as the sampler samples any row
+Every row speculates but one with logits processors (a processor is the caller's code, which may keep state and
+must see each position once, in order) and one with an output grammar still inside its think block. A verifying row's positions are sampled as the sampler samples any row
 (engine_core._sample), each as if the proposals before it were kept (penalties, grammar mask, min_tokens), so
 greedy rows are token for token what they would be without speculation, random rows keep the target's
 distribution (rejection_sampler.py), and logprobs are the target's.
@@ -101,8 +101,12 @@ class Speculator:
 
     @staticmethod
     def eligible(request: Request) -> bool:
-        """Whether the row may verify proposals (the module's docstring: all but rows with logits processors)."""
-        return not request.sampling_params.logits_processors
+        """Whether the row may verify proposals (the module's docstring: all but rows with logits processors, and
+        rows with an output grammar whose think block is not over: where the grammar starts depends on what is
+        kept)."""
+        if request.sampling_params.logits_processors:
+            return False
+        return request.grammar is None or request.reasoning is None or not request.reasoning.is_open
 
     def observe_step(
         self, num_tokens: int, seconds: float, *, num_rows: int, num_emitted: int, speculated: bool

@@ -288,6 +288,13 @@ class GrammarMasks:
     bitmask: torch.Tensor  # [num_rows, ceil(vocab / 32)] int32, xgrammar's packed layout
 
 
+def allow_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Set `token_id`'s bit in bitmask row `row` (see `pack`), in place: a token allowed besides the grammar's."""
+    word, bit = divmod(token_id, 32)
+    value = int(bitmask[row, word]) | (1 << bit)
+    bitmask[row, word] = value - 2**32 if value >= 2**31 else value
+
+
 def apply_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
     """Set to -inf, in place, every logit of `masks.rows` that its bitmask does not allow: xgrammar's kernel (C++ on
     CPU, Triton on CUDA), about 2.5x faster here than unpacking the bits in torch (`unpack`, the reference)."""
@@ -303,9 +310,11 @@ def fill_bitmasks(
     num_rows: int,
     vocab_size: int,
     json_safe: torch.Tensor | None,
+    also_allowed: Sequence[tuple[int, int]] = (),
 ) -> GrammarMasks | None:
     """The masks of a step of `num_rows` rows whose constrained requests are `states` (first row, its state, the
     proposal it verifies: [] for none); a request takes rows first .. first + len(proposal) (GrammarState.fill_ahead).
+    `also_allowed` (row, token) pairs are allowed besides their row's grammar (a think block's opening marker).
     None when there are none."""
     if not states:
         return None
@@ -326,4 +335,6 @@ def fill_bitmasks(
     if json_safe is not None and json_rows:
         index = torch.tensor(json_rows, dtype=torch.int64)
         bitmask[index] &= json_safe[: bitmask.shape[1]]
+    for row, token_id in also_allowed:
+        allow_token(bitmask, row, token_id)
     return GrammarMasks(rows=torch.tensor(rows, dtype=torch.int64), bitmask=bitmask)

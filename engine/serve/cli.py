@@ -10,6 +10,16 @@ from pathlib import Path
 import click
 
 from loraplex.engine.core.config import parse_memory_budget
+from loraplex.engine.core.reasoning_config import (
+    DEFAULT_CLOSING_TEXT,
+    DEFAULT_REASONING_BUDGETS,
+    DEFAULT_REASONING_EFFORT,
+    REASONING_EFFORTS,
+    REASONING_PARSERS,
+    ReasoningConfig,
+    format_reasoning_budgets,
+    parse_reasoning_budgets,
+)
 from loraplex.engine.core.speculative_config import SpeculativeConfig
 from loraplex.engine.serve.tool_calls import TOOL_CALL_PARSERS
 
@@ -102,6 +112,32 @@ def engine() -> None:
     default=128,
     show_default=True,
     help="Largest step (tokens) speculation may grow a step to; within it, the measured step cost decides.",
+)
+@click.option(
+    "--reasoning-parser",
+    type=click.Choice(REASONING_PARSERS),
+    default=None,
+    help="The model reasons in a <think> block (vLLM's parser names): chat answers carry it as reasoning_content, "
+    "usage counts its tokens, output grammars start after it, and reasoning_effort tiers bound it.",
+)
+@click.option(
+    "--reasoning-budgets",
+    default=None,
+    metavar="TIER=TOKENS,...",
+    help="Thinking-token budget of each reasoning_effort tier, e.g. none=0,low=64,medium=256,high=1024 "
+    f"(tiers left out keep {format_reasoning_budgets(DEFAULT_REASONING_BUDGETS)}). Needs --reasoning-parser.",
+)
+@click.option(
+    "--default-reasoning-effort",
+    type=click.Choice(REASONING_EFFORTS),
+    default=None,
+    help=f"The tier of a request without reasoning_effort (default: {DEFAULT_REASONING_EFFORT}).",
+)
+@click.option(
+    "--reasoning-closing-text",
+    default=None,
+    metavar="TEXT",
+    help="Text forced before </think> when a row spends its budget (default: a short 'time is up' sentence).",
 )
 @click.option(
     "--enable-prefix-caching/--no-enable-prefix-caching",
@@ -202,6 +238,10 @@ def engine_serve(
     max_waiting_tokens: int,
     speculative_config: str | None,
     speculative_knee_tokens: int,
+    reasoning_parser: str | None,
+    reasoning_budgets: str | None,
+    default_reasoning_effort: str | None,
+    reasoning_closing_text: str | None,
     enable_prefix_caching: bool,
     served_model_name: str | None,
     seed: int,
@@ -288,6 +328,7 @@ def engine_serve(
         speculation = None if speculative_config is None else SpeculativeConfig.parse(speculative_config)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--speculative-config") from None
+    reasoning = _reasoning_config(reasoning_parser, reasoning_budgets, default_reasoning_effort, reasoning_closing_text)
     try:
         config = EngineConfig(
             model=model_path,
@@ -304,6 +345,7 @@ def engine_serve(
             max_waiting_tokens=max_waiting_tokens or None,
             speculative_config=speculation,
             speculative_knee_tokens=speculative_knee_tokens,
+            reasoning=reasoning,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
             num_threads=num_threads,
@@ -338,6 +380,35 @@ def engine_serve(
         # A bad model folder, a context or budget the model and memory cannot honour, or an adapter that cannot be
         # served (LoraModuleError names it): the message says which.
         raise click.ClickException(str(exc)) from None
+
+
+def _reasoning_config(
+    parser: str | None, budgets: str | None, default_effort: str | None, closing_text: str | None
+) -> ReasoningConfig | None:
+    """The reasoning flags as one config; a budget, tier or closing text without a parser is a usage error."""
+    if parser is None:
+        given = {
+            "--reasoning-budgets": budgets,
+            "--default-reasoning-effort": default_effort,
+            "--reasoning-closing-text": closing_text,
+        }
+        if named := [option for option, value in given.items() if value is not None]:
+            raise click.UsageError(f"{', '.join(named)} need --reasoning-parser")
+        return None
+    try:
+        parsed = parse_reasoning_budgets(budgets) if budgets is not None else {}
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--reasoning-budgets") from None
+    try:
+        return ReasoningConfig(
+            parser=parser,
+            budgets=parsed,
+            default_effort=default_effort or DEFAULT_REASONING_EFFORT,
+            closing_text=DEFAULT_CLOSING_TEXT if closing_text is None else closing_text,
+        )
+    except ValueError as exc:
+        hint = "--reasoning-closing-text" if "closing text" in str(exc) else "--reasoning-budgets"
+        raise click.BadParameter(str(exc), param_hint=hint) from None
 
 
 @engine.command("demo-model")

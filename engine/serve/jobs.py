@@ -180,4 +180,7 @@ def job_usage(job: Job, outputs: Mapping[int, RequestOutput]) -> Usage:
         num_prompt_tokens=sum(len(p.token_ids) for p in job.prompts),
         num_completion_tokens=sum(len(out.outputs[0].token_ids) for out in outputs.values()),
         num_cached_tokens=sum(out.num_cached_tokens for index, out in outputs.items() if index % job.n == 0),
+        num_reasoning_tokens=sum(
+            reasoning.num_tokens for out in outputs.values() if (reasoning := out.outputs[0].reasoning) is not None
+        ),
     )

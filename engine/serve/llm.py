@@ -112,14 +112,18 @@ class LLM:
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation (with `chat_template_kwargs` as further template
+        variables, e.g. `enable_thinking`), then generate."""
         single = bool(messages) and isinstance(messages[0], dict)
         conversations: list[list[Message]] = [list(messages)] if single else [list(c) for c in messages]  # type: ignore[arg-type]
         tokenizer = self.engine.tokenizer
         encoded: list[_Encoded] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, template_kwargs=chat_template_kwargs
+            )
             # The template writes any BOS itself; encoding must not add a second one.
             encoded.append(_Encoded(text, tokenizer.encode(text, add_special_tokens=False), cache_salt))
         return self._generate(

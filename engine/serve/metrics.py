@@ -41,6 +41,7 @@ class RequestRecord:
     time_to_first_token_s: float | None  # None when no token came out
     latency_s: float
     adapter: str = ""  # the LoRA adapter's name; "" for the base model
+    num_reasoning_tokens: int = 0  # of the generated tokens, those of its think block
 
 
 class _StateCollector(Collector):
@@ -177,6 +178,9 @@ class EngineMetrics:
             f"{_PREFIX}_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=self.registry
         )
         self.generation_tokens = Counter(f"{_PREFIX}_generation_tokens", "Tokens generated.", registry=self.registry)
+        self.reasoning_tokens = Counter(
+            f"{_PREFIX}_reasoning_tokens", "Of the tokens generated, those of think blocks.", registry=self.registry
+        )
         # Hit rate per adapter = hit / queried. The platform's own /metrics has it per tenant (the engine never
         # learns tenants: it sees only their cache salts).
         self.prefix_queried_tokens = Counter(
@@ -212,6 +216,7 @@ class EngineMetrics:
         self.prefix_queried_tokens.labels(record.adapter).inc(record.num_prompt_tokens)
         self.prefix_hit_tokens.labels(record.adapter).inc(record.num_cached_tokens)
         self.generation_tokens.inc(record.num_generated_tokens)
+        self.reasoning_tokens.inc(record.num_reasoning_tokens)
         if record.time_to_first_token_s is not None:
             self.time_to_first_token.observe(record.time_to_first_token_s)
         self.request_latency.observe(record.latency_s)

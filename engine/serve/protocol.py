@@ -15,6 +15,7 @@ one place.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
@@ -43,6 +44,10 @@ from loraplex.engine.serve.tool_calls import (
 )
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+# Variables the server gives a chat template itself: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token", "unk_token", "pad_token"}
+)
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 
 # Completions' `prompt`: one text, one token-id list, or a batch of either (one choice per prompt).
@@ -283,19 +288,32 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (billed apart)
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # completion tokens of think blocks (their markers and forced closing text included)
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
     @classmethod
-    def of(cls, *, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
+    def of(
+        cls,
+        *,
+        num_prompt_tokens: int,
+        num_completion_tokens: int,
+        num_cached_tokens: int,
+        num_reasoning_tokens: int = 0,
+    ) -> Usage:
         return cls(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=num_prompt_tokens + num_completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+            completion_tokens_details=CompletionTokensDetails(reasoning_tokens=num_reasoning_tokens),
         )
 
 
@@ -409,8 +427,12 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[Any] | None = None
     function_call: Any = None
     chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: further variables for the model's chat template
     add_generation_prompt: StrictBool = True
+    # OpenAI's effort tier: the thinking-token budget of a reasoning model (the engine's --reasoning-budgets), and a
+    # variable of the chat template; vLLM's thinking_token_budget sets the budget itself.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = None
 
     @property
     def tool_mode(self) -> str:
@@ -468,16 +490,37 @@ class ChatCompletionRequest(_SamplingFields):
             raise _unsupported(name, "the legacy functions API is not supported: send tools and tool_choice")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise RequestError("tool_choice needs tools", code="invalid_value", param="tool_choice")
-        if self.chat_template is not None or self.chat_template_kwargs:
-            name = "chat_template" if self.chat_template is not None else "chat_template_kwargs"
-            raise _unsupported(name, "a request may not supply its own chat template; the model's template is used")
+        if self.chat_template is not None:
+            raise _unsupported(
+                "chat_template", "a request may not supply its own chat template; the model's template is used"
+            )
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise RequestError(
+                f"chat_template_kwargs may not set '{reserved[0]}': the server sets it from the request",
+                code="invalid_value",
+                param="chat_template_kwargs",
+            )
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", code="invalid_value", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         limit = completion_limit(self.max_completion_tokens, self.max_tokens)
-        return self._sampling_params(max_tokens=limit, logprobs=logprobs)
+        params = self._sampling_params(max_tokens=limit, logprobs=logprobs)
+        if self.thinking_token_budget is None:
+            return params
+        return dataclasses.replace(params, thinking_token_budget=self.thinking_token_budget)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's further variables: chat_template_kwargs, and `reasoning_effort` (as vLLM passes it);
+        `none` also turns thinking off where the template reads Qwen3's `enable_thinking`, unless the caller set it."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
+            if self.reasoning_effort == "none":
+                variables.setdefault("enable_thinking", False)
+        return variables
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.for_template() for message in self.messages]
@@ -492,6 +535,7 @@ class ChatCompletionRequest(_SamplingFields):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's think block, without its markers (vLLM's field)
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -514,6 +558,7 @@ class DeltaMessage(WithoutNulls):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

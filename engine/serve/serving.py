@@ -62,6 +62,8 @@ from loraplex.engine.serve.protocol import (
     ModelList,
     Usage,
 )
+from loraplex.engine.serve.reasoning_parser import ReasoningStream
+from loraplex.engine.serve.reasoning_parser import split as split_reasoning
 from loraplex.engine.serve.tool_calls import (
     TOOL_CALL_PARSERS,
     DeltaFunctionCall,
@@ -233,8 +235,19 @@ class OpenAIServing:
         params = body.sampling_params()
         tokenizer = self.engine.core.tokenizer
         text = tokenizer.apply_chat_template(
-            body.template_messages(), add_generation_prompt=body.add_generation_prompt, tools=body.template_tools()
+            body.template_messages(),
+            add_generation_prompt=body.add_generation_prompt,
+            tools=body.template_tools(),
+            template_kwargs=body.template_kwargs(),
         )
+        reasoning = self.engine.core.config.reasoning
+        if reasoning is not None:  # a reasoning model: its think block is followed, split off and held to a budget
+            budget = params.thinking_token_budget
+            params = dataclasses.replace(
+                params,
+                reasoning=True,
+                thinking_token_budget=budget if budget is not None else reasoning.budget(body.reasoning_effort),
+            )
         if body.tool_mode == "auto" and params.skip_special_tokens:
             # Call markers such as Hermes' <tool_call> are special tokens: the parser must see them.
             params = dataclasses.replace(params, skip_special_tokens=False)
@@ -284,6 +297,9 @@ class OpenAIServing:
                 time_to_first_token_s=None if first_token_at is None else first_token_at - job.arrived,
                 latency_s=ended - job.arrived,
                 adapter=job.lora.name if job.lora is not None else "",
+                num_reasoning_tokens=reasoning.num_tokens
+                if last is not None and (reasoning := last.outputs[0].reasoning) is not None
+                else 0,
             )
             self.metrics.record(record)
             if job.lora is not None:
@@ -396,11 +412,14 @@ class OpenAIServing:
             logprobs = None
             if body.logprobs and completion.logprobs is not None:
                 logprobs = ChoiceLogprobs.of(completion.token_ids, completion.logprobs, body.top_logprobs or 0)
-            content, calls = self._tool_calls(body, completion.text)
+            parts = split_reasoning(completion.text, completion.reasoning)
+            content, calls = self._tool_calls(body, parts.content)
             choices.append(
                 ChatChoice(
                     index=index,
-                    message=AssistantMessage(content=content, tool_calls=[c.wire() for c in calls]),
+                    message=AssistantMessage(
+                        content=content, reasoning_content=parts.reasoning, tool_calls=[c.wire() for c in calls]
+                    ),
                     logprobs=logprobs,
                     finish_reason="tool_calls" if calls else completion.finish_reason,
                     stop_reason=completion.stop_reason,
@@ -435,6 +454,7 @@ class OpenAIServing:
             for _ in range(job.num_choices)
         ]
         held = [""] * job.num_choices  # required: each choice's calls as text, sent as calls at the end
+        thinking = [ReasoningStream() for _ in range(job.num_choices)]  # think blocks apart from the answers
         named_started = [False] * job.num_choices  # named: the call's id and name went out
         finals: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(self._deltas(job)) as deltas:
@@ -446,6 +466,22 @@ class OpenAIServing:
                     finals[delta.index] = delta.output
                 completion = delta.output.outputs[0]
                 text = delta.text
+                if completion.reasoning is not None:
+                    thought, text = thinking[delta.index].feed(
+                        completion.text, completion.reasoning, finished=completion.finished
+                    )
+                    if thought:  # the think block's part goes first, in a chunk of its own
+                        yield chunk(
+                            [
+                                ChatChunkChoice(
+                                    index=delta.index, delta=DeltaMessage(reasoning_content=thought), logprobs=logprobs
+                                )
+                            ],
+                            job_usage(job, delta.sent) if continuous else None,
+                        )
+                        logprobs = None
+                    if not text and not completion.finished:
+                        continue
                 auto = streams[delta.index]
                 finishing = "tool_calls" if mode != "none" and completion.finish_reason is not None else None
                 if mode == "named":

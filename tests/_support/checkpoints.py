@@ -163,3 +163,35 @@ HERMES_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+# A reasoning model's chat template in Qwen3's manner, opening the think block in the prompt as Qwen3's thinking
+# models and DeepSeek R1 (0528) do; `enable_thinking: false` closes it there instead.
+THINKING_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% endif %}"
+)
+
+
+def write_thinking_tokenizer(
+    path: Path, *, vocab_size: int = VOCAB, chat_template: str = THINKING_CHAT_TEMPLATE
+) -> Path:
+    """The demo tokenizer with `<think>` and `</think>` as added tokens of their own, one id each (the last two ids
+    of `vocab_size`), as reasoning models' tokenizers have them; not special, so they survive skip_special_tokens."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    from loraplex.engine.tools.demo import write_tokenizer
+
+    write_tokenizer(path, vocab_size=vocab_size - 2, chat_template=chat_template)
+    backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
+    if backend.get_vocab_size() != vocab_size - 2:
+        raise RuntimeError(f"the demo tokenizer did not fill {vocab_size - 2} ids")
+    backend.add_tokens([AddedToken(marker, special=False, normalized=False) for marker in ("<think>", "</think>")])
+    backend.save(str(path / "tokenizer.json"))
+    return path
