@@ -342,12 +342,11 @@ class EngineCore:
                 param="logit_bias",
             )
         if params.reasoning and self.reasoning is None:
-            budget = params.thinking_token_budget is not None
+            field = "thinking_token_budget" if params.thinking_token_budget is not None else "reasoning"
             raise RequestError(
-                f"{'thinking_token_budget' if budget else 'reasoning'} needs a reasoning model: this engine was started "
-                "without --reasoning-parser",
+                f"{field} needs a reasoning model: this engine was started without --reasoning-parser",
                 code="unsupported_value",
-                param="thinking_token_budget" if budget else "reasoning",
+                param=field,
             )
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
         return CheckedPrompt(list(prompt_token_ids), params, min(params.max_tokens or room, room), grammar)

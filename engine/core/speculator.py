@@ -7,10 +7,11 @@ preempting for it). After the forward, the engine verifies (rejection_sampler.py
 token, and books each row's outcome here (its acceptance estimate and the counters /metrics reads).
 
 Every row speculates but one with logits processors (a processor is the caller's code, which may keep state and
-must see each position once, in order) and one with an output grammar still inside its think block. A verifying row's positions are sampled as the sampler samples any row
-(engine_core._sample), each as if the proposals before it were kept (penalties, grammar mask, min_tokens), so
-greedy rows are token for token what they would be without speculation, random rows keep the target's
-distribution (rejection_sampler.py), and logprobs are the target's.
+must see each position once, in order) and one with an output grammar still inside its think block. A verifying
+row's positions are sampled as the sampler samples any row (engine_core._sample), each as if the proposals before
+it were kept (penalties, grammar mask, min_tokens, a think block's forced tokens), so greedy rows are token for
+token what they would be without speculation, random rows keep the target's distribution (rejection_sampler.py),
+and logprobs are the target's.
 """
 
 from __future__ import annotations
