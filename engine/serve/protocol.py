@@ -3,14 +3,15 @@ for /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 Requests accept OpenAI's fields plus vLLM's sampling extras (top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
 skip_special_tokens, include_stop_str_in_output), vLLM's `cache_salt` and `stream_options.continuous_usage_stats`,
-and one field of our own for a trusted caller (the platform): `lora_adapter`, an adapter named by its files and
-content digest (`LoraAdapterSpec`). Unknown fields are ignored, as both servers do, and listed in `model_extra` so
-the server can log them. Shape errors (a wrong type, a role that does not exist) fail validation and name the
-field; values the engine cannot honour (best_of, suffix, the legacy functions API, a request's own chat template)
-are refused by `sampling_params()` / `check_supported()` with a `RequestError` naming the field; ranges
-(temperature, penalties, n, ...) are `SamplingParams`'s to check, and output grammars (`response_format`,
-`tool_choice`, vLLM's `guided_*` and `structured_outputs`) the engine's grammar compiler's, so each rule lives in
-one place.
+vLLM's `chat_template_kwargs` and `thinking_token_budget` and OpenAI's `reasoning_effort` (reasoning models), and one
+field of our own for a trusted caller (the platform): `lora_adapter`, an adapter named by its files and content
+digest (`LoraAdapterSpec`). Unknown fields are ignored, as both servers do, and listed in `model_extra` so the
+server can log them. Shape errors (a wrong type, a role that does not exist) fail validation and name the field;
+values the engine cannot honour (best_of, suffix, the legacy functions API, a request's own chat template, template
+variables the server sets itself) are refused by `sampling_params()` / `check_supported()` with a `RequestError`
+naming the field; ranges (temperature, penalties, n, ...) are `SamplingParams`'s to check, and output grammars
+(`response_format`, `tool_choice`, vLLM's `guided_*` and `structured_outputs`) the engine's grammar compiler's, so
+each rule lives in one place.
 """
 
 from __future__ import annotations
