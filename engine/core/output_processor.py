@@ -166,7 +166,11 @@ class OutputProcessor:
             # A finished output that never completed the opening marker has no think block: its text is the answer.
             return ReasoningOutput(0, 0) if finished else ReasoningOutput(state.num_tokens, None, deciding=True)
         end = stream.reasoning_end
-        return ReasoningOutput(state.num_tokens, None if end is None else min(end, num_chars))
+        if end is not None and end > num_chars:
+            # Running, the block's end is in the tail held back for stop strings: as far as the text shown goes, the
+            # block is open. Finished, a stop string cut the text inside the block: it ends with the text.
+            end = num_chars if finished else None
+        return ReasoningOutput(state.num_tokens, end)
 
     def _position_logprobs(self, logprobs: TokenLogprobs) -> PositionLogprobs:
         decode = self.tokenizer.decode
