@@ -1,11 +1,11 @@
 """Turns sampled tokens into text and finish decisions: stop tokens, stop strings, length limits, logprobs.
 
 Stop tokens (EOS unless ignore_eos, and stop_token_ids) end a request without being emitted; so does a stop token
-its grammar allows, and a grammar that is complete and allows nothing more ends it with the token that completed
-it (finish reason "stop", no stop reason). Stop strings end
-it too: the text is cut before the stop string (after it with include_stop_str_in_output), and while a request
-runs, the last `longest stop string - 1` characters are held back from its visible text, since they might
-still become a stop string.
+its grammar allows, and a grammar that is complete and allows nothing more ends it with the token that completed it
+(finish reason "stop", no stop reason). Stop strings end it too: the text is cut before the stop string (after it
+with include_stop_str_in_output), and while a request runs, the last `longest stop string - 1` characters are held
+back from its visible text, since they might still become a stop string. A reasoning row's think block is not its
+answer: its grammar starts after the block, and its stop strings are looked for after it.
 """
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ class OutputProcessor:
         if closed_at is not None:
             stream.reasoning_end = len(stream.text) if closed_at < 0 else closed_at
 
-        if params.stop:
-            window_start = max(0, before_chars - stream.hold_back)
+        if params.stop and (request.reasoning is None or not request.reasoning.is_open):
+            # A reasoning row's stop strings end its answer, never its think block: they are looked for after it.
+            window_start = max(0, before_chars - stream.hold_back, stream.reasoning_end or 0)
             hit = _first_stop(stream.text, params.stop, window_start)
             if hit is not None:
                 index, stop = hit

@@ -145,3 +145,21 @@ def test_a_budget_needs_a_reasoning_engine(opened: Path) -> None:
     engine = LLM(str(opened), kv_budget=2**23, num_threads=2)
     with pytest.raises(RequestError, match="reasoning-parser"):
         engine.chat(MESSAGES, SamplingParams(max_tokens=4, thinking_token_budget=3))
+
+
+def test_stop_strings_end_the_answer_not_the_think_block(opened: Path) -> None:
+    engine = llm(opened)
+    free = SamplingParams(temperature=0, max_tokens=60, thinking_token_budget=8)
+    whole = engine.chat(MESSAGES, free)[0].outputs[0]
+    assert whole.reasoning is not None and whole.reasoning.end is not None
+    block, answer = whole.text[: whole.reasoning.end], whole.text[whole.reasoning.end :]
+    in_block = next(ch for ch in block if ch.isalnum())  # a character the block writes (before its end)
+    stop = next((ch for ch in answer if ch.isalnum() and ch != in_block), None)
+    assert stop is not None, (block, answer)
+    params = SamplingParams(temperature=0, max_tokens=60, thinking_token_budget=8, stop=[in_block, stop])
+    out = engine.chat(MESSAGES, params)[0].outputs[0]
+    assert out.reasoning is not None and out.reasoning.end == whole.reasoning.end
+    assert (
+        out.stop_reason in (in_block, stop)
+        and out.text == whole.text[: whole.text.index(out.stop_reason, whole.reasoning.end)]
+    )
