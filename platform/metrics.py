@@ -95,7 +95,15 @@ class PlatformMetrics:
         )
         self.completion_tokens = Counter(
             f"{_PREFIX}_completion_tokens",
-            "Completion tokens billed, by tenant id, adapter id and service tier.",
+            "Completion tokens billed (reasoning tokens included), by tenant id, adapter id and service tier.",
+            labels,
+            registry=self.registry,
+        )
+        # Reasoning share per tenant or adapter = reasoning_tokens / completion_tokens, summed by that label.
+        self.reasoning_tokens = Counter(
+            f"{_PREFIX}_reasoning_tokens",
+            "Completion tokens spent inside a think block (billed at the reasoning price), by tenant, adapter and "
+            "tier.",
             labels,
             registry=self.registry,
         )
@@ -147,6 +155,7 @@ class PlatformMetrics:
         self.prompt_tokens.labels(tenant, adapter, tier).inc(event.prompt_tokens)
         self.cached_prompt_tokens.labels(tenant, adapter, tier).inc(event.cached_tokens)
         self.completion_tokens.labels(tenant, adapter, tier).inc(event.completion_tokens)
+        self.reasoning_tokens.labels(tenant, adapter, tier).inc(event.reasoning_tokens)
 
     def count_refusal(self, tenant_id: str, decision: RateDecision) -> None:
         if not decision.allowed and decision.refusal is not None:

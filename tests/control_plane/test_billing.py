@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 Client = AsyncTestClient[Litestar]
 Sessions = async_sessionmaker[AsyncSession]
 NOW = datetime.now(UTC).replace(microsecond=0)
-MONEY = ("cost_uncached", "cost_cached", "cost_output", "cost_total", "cache_savings")
+MONEY = ("cost_uncached", "cost_cached", "cost_output", "cost_reasoning", "cost_total", "cache_savings")
 
 
 @pytest.fixture
@@ -227,10 +227,12 @@ class TestReport:
             "input_uncached_tokens": 4_000_000,
             "input_cached_tokens": 2_000_000,
             "output_tokens": 1_000_000,
+            "reasoning_tokens": 0,
             "cache_hit_rate": 0.3333,
             "cost_uncached": "6.000000",  # 2M x 1 + 2M x 2
             "cost_cached": "1.500000",  # 1M x 0.5 + 1M x 1
             "cost_output": "6.000000",  # 0.5M x 4 + 0.5M x 8
+            "cost_reasoning": "0.000000",
             "cost_total": "13.500000",
             "cache_savings": "1.500000",  # 1M x (1 - 0.5) + 1M x (2 - 1)
         }

@@ -28,7 +28,7 @@ Client = AsyncTestClient[Litestar]
 Sessions = async_sessionmaker[AsyncSession]
 NOW = datetime.now(UTC).replace(microsecond=0)
 BASE = "llama-a"
-MONEY = ("cost_uncached", "cost_cached", "cost_output", "cost_total", "cache_savings")
+MONEY = ("cost_uncached", "cost_cached", "cost_output", "cost_reasoning", "cost_total", "cache_savings")
 
 
 @pytest.fixture
@@ -165,6 +165,7 @@ AT_DEFAULT = {
     "cost_uncached": "0.800000",  # 800k x 1 / 1M
     "cost_cached": "0.100000",  # 200k x 0.5 / 1M
     "cost_output": "0.400000",  # 100k x 4 / 1M
+    "cost_reasoning": "0.000000",
     "cost_total": "1.300000",
     "cache_savings": "0.100000",  # 200k x (1 - 0.5) / 1M
 }
@@ -172,6 +173,7 @@ AT_FLEX = {
     "cost_uncached": "0.400000",
     "cost_cached": "0.050000",
     "cost_output": "0.200000",
+    "cost_reasoning": "0.000000",
     "cost_total": "0.650000",
     "cache_savings": "0.050000",
 }

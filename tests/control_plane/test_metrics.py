@@ -166,6 +166,7 @@ def event(tenant_id: uuid.UUID, adapter_id: uuid.UUID | None, status: str = "ok"
         prompt_tokens=100,
         cached_tokens=64,
         completion_tokens=7,
+        reasoning_tokens=3,
         status=status,
         started_at=now,
         finished_at=now,
@@ -185,6 +186,7 @@ def test_each_instance_has_its_own_registry() -> None:
     assert value(text, f"{PREFIX}_prompt_tokens_total", **labels) == 200
     assert value(text, f"{PREFIX}_cached_prompt_tokens_total", **labels) == 128
     assert value(text, f"{PREFIX}_completion_tokens_total", **labels) == 14
+    assert value(text, f"{PREFIX}_reasoning_tokens_total", **labels) == 6  # counted apart, and within completion
     assert str(tenant) not in second.render().decode()
     assert CONTENT_TYPE.startswith("text/plain")
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +12,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from litestar.testing import AsyncTestClient
-from sqlalchemy import Connection, inspect
+from sqlalchemy import Connection, DateTime, Uuid, bindparam, inspect, text
 
 from loraplex.platform.app import create_app
 from loraplex.platform.db.engine import create_engine
@@ -96,3 +99,63 @@ async def test_app_refuses_to_start_one_migration_behind(integration_settings: S
         async with AsyncTestClient(app=create_app(integration_settings)):
             pass
     assert info.group_contains(MigrationsNotAtHead, match="loraplex db upgrade")
+
+
+async def _reasoning_upgrade_keeps_prices_and_usage(url: str) -> None:
+    """0008 on a database with data: each price version prices reasoning tokens at its output price (what they cost
+    before they had a price of their own), each usage row has none, and going back drops only what 0008 added."""
+    engine = create_engine(url)
+    try:
+        await upgrade(engine, "0007")
+        tenant_id, now = uuid.uuid4(), datetime.now(UTC)
+        statements = [
+            ("INSERT INTO tenants (id, name, status, created_at, updated_at) VALUES (:id, 'acme', 'active', :at, :at)"),
+            (
+                "INSERT INTO prices (id, base_model, input_per_mtok, cached_input_per_mtok, output_per_mtok, currency, "
+                "effective_at, created_at) VALUES (:other, 'm', 1, 0.1, 4.5, 'USD', :at, :at)"
+            ),
+            (
+                "INSERT INTO usage (request_id, tenant_id, model, base_model, prompt_tokens, cached_tokens, "
+                "completion_tokens, status, started_at, finished_at) "
+                "VALUES ('r1', :id, 'm', 'm', 10, 0, 7, 'ok', :at, :at)"
+            ),
+            "INSERT INTO base_models (id, name, source, status, created_at) VALUES (:other, 'm', '/m', 'ready', :at)",
+        ]
+        async with engine.begin() as connection:
+            for statement in statements:
+                # Typed parameters: SQLite's driver binds neither UUIDs nor aware datetimes by itself.
+                bound = text(statement).bindparams(
+                    *(bindparam(name, type_=Uuid()) for name in ("id", "other") if f":{name}" in statement),
+                    bindparam("at", type_=DateTime(timezone=True)),
+                )
+                await connection.execute(bound, {"id": tenant_id, "other": uuid.uuid4(), "at": now})
+        await upgrade(engine)
+        async with engine.connect() as connection:
+            price = (await connection.execute(text("SELECT output_per_mtok, reasoning_per_mtok FROM prices"))).one()
+            assert Decimal(str(price[1])) == Decimal(str(price[0])) == Decimal("4.5")
+            usage = (await connection.execute(text("SELECT completion_tokens, reasoning_tokens FROM usage"))).one()
+            assert tuple(usage) == (7, 0)
+            model = (await connection.execute(text("SELECT reasoning_config FROM base_models"))).one()
+            assert model[0] is None
+        await downgrade(engine, "0007")
+        async with engine.connect() as connection:
+            assert "reasoning_per_mtok" not in await connection.run_sync(_columns, "prices")
+            assert "reasoning_tokens" not in await connection.run_sync(_columns, "usage")
+            assert "reasoning_config" not in await connection.run_sync(_columns, "base_models")
+            assert (await connection.execute(text("SELECT count(*) FROM usage"))).scalar_one() == 1
+    finally:
+        await engine.dispose()
+
+
+def _columns(connection: Connection, table: str) -> set[str]:
+    return {column["name"] for column in inspect(connection).get_columns(table)}
+
+
+@pytest.mark.integration
+async def test_the_reasoning_migration_on_postgres(database_url: str) -> None:
+    await _reasoning_upgrade_keeps_prices_and_usage(database_url)
+
+
+@pytest.mark.unit
+async def test_the_reasoning_migration_on_sqlite(tmp_path: Path) -> None:
+    await _reasoning_upgrade_keeps_prices_and_usage(f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}")

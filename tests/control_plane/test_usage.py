@@ -69,6 +69,7 @@ def event(tenant_id: uuid.UUID, request_id: str | None = None, **changes: Any) -
         prompt_tokens=100,
         cached_tokens=40,
         completion_tokens=20,
+        reasoning_tokens=8,  # of the 20: every recorder path must carry them
         status="ok",
         started_at=NOW - timedelta(minutes=5),
         finished_at=NOW - timedelta(minutes=4),
@@ -179,6 +180,17 @@ class TestRecord:
             event(tenant_id, prompt_tokens=-1)
         with pytest.raises(ValueError, match="service_tier"):
             event(tenant_id, service_tier="auto")  # resolved before it is recorded: auto is default
+        with pytest.raises(ValueError, match="token counts"):
+            event(tenant_id, reasoning_tokens=-1)
+        with pytest.raises(ValueError, match="at most completion_tokens"):
+            event(tenant_id, completion_tokens=5, reasoning_tokens=6)  # reasoning tokens are completion tokens
+
+    def test_an_outbox_entry_from_before_reasoning_tokens_decodes_with_none(self) -> None:
+        sent = event(uuid.uuid4())
+        assert UsageEvent.decode(sent.encode()).reasoning_tokens == 8
+        older = json.loads(sent.encode())
+        del older["reasoning_tokens"]  # deferred by a replica that knew no reasoning tokens
+        assert UsageEvent.decode(json.dumps(older).encode()) == replace(sent, reasoning_tokens=0)
 
     def test_an_outbox_entry_from_before_service_tiers_decodes_on_the_default_tier(self) -> None:
         sent = event(uuid.uuid4(), service_tier="flex")
@@ -218,6 +230,7 @@ class TestOutbox:
         [row] = await rows(sessions)
         assert row.request_id == sent.request_id
         assert row.started_at == sent.started_at
+        assert (row.completion_tokens, row.reasoning_tokens) == (20, 8)
 
     async def test_an_entry_already_in_the_database_is_not_counted_again(
         self, sessions: async_sessionmaker[AsyncSession], store: RedisStore, tenant_ids: list[uuid.UUID]
@@ -267,7 +280,8 @@ class TestOutbox:
             up = UsageRecorder(sessions, [RedisOutbox(dead_store), memory])
             assert await up.drain_once() == 1
             assert await memory.size() == 0
-            assert [r.request_id for r in await rows(sessions)] == [sent.request_id]
+            [row] = await rows(sessions)
+            assert (row.request_id, row.reasoning_tokens) == (sent.request_id, sent.reasoning_tokens)
         finally:
             await dead_store.close()
 
@@ -336,17 +350,32 @@ class TestGetUsage:
         self, client: Client, recorder: UsageRecorder, make_tenant: Callable[[str], Any]
     ) -> None:
         (mine, my_key), (theirs, their_key) = await make_tenant("mine"), await make_tenant("theirs")
-        a = await record_for(recorder, mine, prompt_tokens=10, cached_tokens=4, completion_tokens=1)
+        a = await record_for(recorder, mine, prompt_tokens=10, cached_tokens=4, completion_tokens=1, reasoning_tokens=1)
         b = await record_for(
-            recorder, mine, prompt_tokens=20, cached_tokens=0, completion_tokens=2, status="length", service_tier="flex"
+            recorder,
+            mine,
+            prompt_tokens=20,
+            cached_tokens=0,
+            completion_tokens=2,
+            reasoning_tokens=0,
+            status="length",
+            service_tier="flex",
         )
-        await record_for(recorder, theirs, prompt_tokens=1000, cached_tokens=0, completion_tokens=1000)
+        await record_for(
+            recorder, theirs, prompt_tokens=1000, cached_tokens=0, completion_tokens=1000, reasoning_tokens=700
+        )
 
         response = await client.get("/v1/usage", headers=bearer(my_key))
         assert response.status_code == 200, response.text
         body = response.json()
         assert body["object"] == "usage"
-        assert body["totals"] == {"requests": 2, "prompt_tokens": 30, "cached_tokens": 4, "completion_tokens": 3}
+        assert body["totals"] == {
+            "requests": 2,
+            "prompt_tokens": 30,
+            "cached_tokens": 4,
+            "completion_tokens": 3,
+            "reasoning_tokens": 1,
+        }
         assert {r["request_id"] for r in body["data"]} == {a.request_id, b.request_id}
         shown = next(r for r in body["data"] if r["request_id"] == b.request_id)
         assert set(shown) == {
@@ -355,12 +384,15 @@ class TestGetUsage:
             "prompt_tokens",
             "cached_tokens",
             "completion_tokens",
+            "reasoning_tokens",
             "status",
             "service_tier",
             "started_at",
             "finished_at",
         }
         assert shown["status"] == "length"
+        assert (shown["completion_tokens"], shown["reasoning_tokens"]) == (2, 0)
+        assert next(r for r in body["data"] if r["request_id"] == a.request_id)["reasoning_tokens"] == 1
         assert shown["service_tier"] == "flex"
         assert next(r for r in body["data"] if r["request_id"] == a.request_id)["service_tier"] == "default"
         assert shown["model"] == "support-bot"

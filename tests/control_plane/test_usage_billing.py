@@ -29,7 +29,7 @@ Sessions = async_sessionmaker[AsyncSession]
 NOW = datetime.now(UTC).replace(microsecond=0)
 START, END = NOW - timedelta(hours=2), NOW + timedelta(seconds=1)
 BASE = "llama-a"
-MONEY = ("cost_uncached", "cost_cached", "cost_output", "cost_total", "cache_savings")
+MONEY = ("cost_uncached", "cost_cached", "cost_output", "cost_reasoning", "cost_total", "cache_savings")
 HEAD = {"currency", "group_by", "rows"}  # billing's fields that are not a report line's numbers
 
 
@@ -151,10 +151,12 @@ class TestUsageBilling:
             "input_uncached_tokens": 3_000_000,
             "input_cached_tokens": 3_000_000,
             "output_tokens": 750_000,
+            "reasoning_tokens": 0,
             "cache_hit_rate": 0.5,
             "cost_uncached": "3.000000",  # (2M + 1M) x 1
             "cost_cached": "1.500000",  # 3M x 0.5
             "cost_output": "3.000000",  # 0.75M x 4
+            "cost_reasoning": "0.000000",
             "cost_total": "7.500000",
             "cache_savings": "1.500000",  # 3M x (1 - 0.5)
         }
@@ -164,6 +166,7 @@ class TestUsageBilling:
             "prompt_tokens": 6_000_000,
             "cached_tokens": 3_000_000,
             "completion_tokens": 750_000,
+            "reasoning_tokens": 0,
         }
         assert {"start", "end", "data", "has_more", "first_id", "last_id"} <= set(body)
         assert len(body["data"]) == 3

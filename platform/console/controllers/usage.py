@@ -78,7 +78,8 @@ class BillRow:
     requests: str
     input_tokens: str
     cached_tokens: str
-    output_tokens: str
+    output_tokens: str  # reasoning tokens included
+    reasoning_tokens: str
     cache_hit_rate: str
     cost: str
     total: bool = False
@@ -180,7 +181,7 @@ def _cards(totals: Line, num_days: int) -> tuple[SummaryCard, ...]:
             "Tokens",
             f"{_tokens(totals):,}",
             f"{totals.input_uncached_tokens:,} input, {totals.input_cached_tokens:,} cached input, "
-            f"{totals.output_tokens:,} output",
+            f"{totals.output_tokens:,} output ({totals.reasoning_tokens:,} reasoning)",
         ),
         SummaryCard("cost", "Cost", usd(totals.cost_total), "each request at the price in force when it started"),
         SummaryCard("cache-savings", "Cache savings", usd(totals.cache_savings), "saved by prefix-cache hits"),
@@ -201,6 +202,7 @@ def _row(label: str, line: Line, *, total: bool = False) -> BillRow:
         input_tokens=f"{line.input_uncached_tokens:,}",
         cached_tokens=f"{line.input_cached_tokens:,}",
         output_tokens=f"{line.output_tokens:,}",
+        reasoning_tokens=f"{line.reasoning_tokens:,}",
         cache_hit_rate=_percent(line.cache_hit_rate),
         cost=usd(line.cost_total),
         total=total,

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import JSON, CheckConstraint, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from loraplex.engine import SpeculativeConfig
+from loraplex.engine import ReasoningConfig, SpeculativeConfig
 from loraplex.platform.db.base import Base, utcnow
 
 
@@ -33,11 +33,22 @@ class BaseModel(Base):
     # How engines serving it speculate (vLLM's --speculative-config object, every field spelled out: see
     # speculative_config_json); null: they do not. Set through `set_speculative`, from a parsed config.
     speculative_config: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # How engines serving it read and bound a think block (ReasoningConfig.to_dict, every field spelled out); null:
+    # the model is not served as a reasoning model. Set through `set_reasoning`, from a validated config.
+    reasoning_config: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     status: Mapped[str] = mapped_column(String(16), default="ready")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     def set_speculative(self, config: SpeculativeConfig | None) -> None:
         self.speculative_config = speculative_config_json(config)
+
+    def set_reasoning(self, config: ReasoningConfig | None) -> None:
+        self.reasoning_config = None if config is None else config.to_dict()
+
+    def reasoning(self) -> ReasoningConfig | None:
+        """The stored reasoning settings, parsed; ValueError if the engine no longer takes them (they were valid when
+        stored: only a stricter engine release could make them fail)."""
+        return None if self.reasoning_config is None else ReasoningConfig.from_dict(self.reasoning_config)
 
 
 def speculative_config_json(config: SpeculativeConfig | None) -> dict[str, Any] | None:

@@ -38,6 +38,7 @@ async def set_price(db: AsyncSession, data: PriceSet) -> PriceOut:
         input_per_mtok=data.input_per_mtok,
         cached_input_per_mtok=data.cached_input_per_mtok,
         output_per_mtok=data.output_per_mtok,
+        reasoning_per_mtok=data.reasoning_per_mtok,
         effective_at=data.effective_at,
         service_tier=data.service_tier,
         now=now,

@@ -194,7 +194,7 @@ def _cards(totals: Line) -> tuple[Card, ...]:
             "Tokens",
             f"{tokens:,}",
             f"{totals.input_uncached_tokens:,} input, {totals.input_cached_tokens:,} cached input, "
-            f"{totals.output_tokens:,} output",
+            f"{totals.output_tokens:,} output ({totals.reasoning_tokens:,} reasoning)",
         ),
         Card("cost", "Cost", _usd(totals.cost_total), f"cache hit rate {_percent(totals.cache_hit_rate)}"),
         Card("cache-savings", "Cache savings", _usd(totals.cache_savings), "saved by prefix-cache hits"),
@@ -395,6 +395,7 @@ def _tenant_rows(report: BillingReport, names: dict[str, str]) -> tuple[TenantRo
             input_tokens=f"{line.input_uncached_tokens:,}",
             cached_input_tokens=f"{line.input_cached_tokens:,}",
             output_tokens=f"{line.output_tokens:,}",
+            reasoning_tokens=f"{line.reasoning_tokens:,}",
             cache_hit_rate=_percent(line.cache_hit_rate),
             cost=_usd(line.cost_total),
             cache_savings=_usd(line.cache_savings),

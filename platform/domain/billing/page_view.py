@@ -158,7 +158,8 @@ class TenantRow:
     requests: str
     input_tokens: str
     cached_input_tokens: str
-    output_tokens: str
+    output_tokens: str  # reasoning tokens included
+    reasoning_tokens: str
     cache_hit_rate: str
     cost: str
     cache_savings: str

@@ -7,6 +7,11 @@ rated 0). So a flex or priority price is optional: until an admin sets one, thos
 (docs/decisions/0026-service-tiers.md). `PriceBook` is that rule over versions in memory; the repository's SQL
 (`BillingUsageRepository.slices`) is the same rule in the database.
 
+Reasoning tokens (completion tokens inside a think block) are output tokens: `output_tokens` counts them, and they
+are priced apart, at the version's reasoning price (the output price unless one was set): `cost_output` is the
+other output tokens at the output price, `cost_reasoning` the reasoning tokens at the reasoning price, so with the
+default reasoning price the two add up to what all output tokens cost at the output price.
+
 Exact amounts are Decimals computed without any rounding (`_EXACT` traps it); money is rounded only in
 `round_report`, by the rule in docs/decisions/0011-billing-rounding.md: totals once, half-even; lines by
 largest remainder so that every rounded column adds up to its rounded total and each line's parts add up to its
@@ -68,7 +73,12 @@ class PriceTerms:
 
     input_per_mtok: Decimal  # prompt tokens the prefix cache did not serve
     cached_input_per_mtok: Decimal
-    output_per_mtok: Decimal
+    output_per_mtok: Decimal  # completion tokens outside a think block
+    reasoning_per_mtok: Decimal | None = None  # completion tokens inside one; None: the output price
+
+    @property
+    def reasoning_price(self) -> Decimal:
+        return self.output_per_mtok if self.reasoning_per_mtok is None else self.reasoning_per_mtok
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +124,8 @@ class UsageSlice:
     requests: int
     input_uncached_tokens: int
     input_cached_tokens: int
-    output_tokens: int
+    output_tokens: int  # reasoning tokens included
+    reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +137,12 @@ class Line:
     unpriced_requests: int = 0  # requests with no price in force for their base model: counted, rated 0
     input_uncached_tokens: int = 0
     input_cached_tokens: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0  # reasoning tokens included
+    reasoning_tokens: int = 0
     cost_uncached: Decimal = field(default=_ZERO)
     cost_cached: Decimal = field(default=_ZERO)
-    cost_output: Decimal = field(default=_ZERO)
+    cost_output: Decimal = field(default=_ZERO)  # the output tokens that are not reasoning tokens
+    cost_reasoning: Decimal = field(default=_ZERO)
     cost_total: Decimal = field(default=_ZERO)
     # What the cached tokens would have cost at the input price, minus what they cost.
     cache_savings: Decimal = field(default=_ZERO)
@@ -154,9 +167,11 @@ class Line:
             input_uncached_tokens=self.input_uncached_tokens + other.input_uncached_tokens,
             input_cached_tokens=self.input_cached_tokens + other.input_cached_tokens,
             output_tokens=self.output_tokens + other.output_tokens,
+            reasoning_tokens=self.reasoning_tokens + other.reasoning_tokens,
             cost_uncached=add(self.cost_uncached, other.cost_uncached),
             cost_cached=add(self.cost_cached, other.cost_cached),
             cost_output=add(self.cost_output, other.cost_output),
+            cost_reasoning=add(self.cost_reasoning, other.cost_reasoning),
             cost_total=add(self.cost_total, other.cost_total),
             cache_savings=add(self.cache_savings, other.cache_savings),
         )
@@ -177,11 +192,13 @@ def rate_slice(piece: UsageSlice) -> Line:
             input_uncached_tokens=piece.input_uncached_tokens,
             input_cached_tokens=piece.input_cached_tokens,
             output_tokens=piece.output_tokens,
+            reasoning_tokens=piece.reasoning_tokens,
         )
     terms = piece.terms
     uncached = cost(piece.input_uncached_tokens, terms.input_per_mtok)
     cached = cost(piece.input_cached_tokens, terms.cached_input_per_mtok)
-    output = cost(piece.output_tokens, terms.output_per_mtok)
+    output = cost(piece.output_tokens - piece.reasoning_tokens, terms.output_per_mtok)
+    reasoning = cost(piece.reasoning_tokens, terms.reasoning_price)
     at_input_price = cost(piece.input_cached_tokens, terms.input_per_mtok)
     return Line(
         key=piece.key,
@@ -189,10 +206,12 @@ def rate_slice(piece: UsageSlice) -> Line:
         input_uncached_tokens=piece.input_uncached_tokens,
         input_cached_tokens=piece.input_cached_tokens,
         output_tokens=piece.output_tokens,
+        reasoning_tokens=piece.reasoning_tokens,
         cost_uncached=uncached,
         cost_cached=cached,
         cost_output=output,
-        cost_total=_EXACT.add(_EXACT.add(uncached, cached), output),
+        cost_reasoning=reasoning,
+        cost_total=_sum((uncached, cached, output, reasoning)),
         cache_savings=_EXACT.subtract(at_input_price, cached),
     )
 
@@ -249,6 +268,10 @@ def allocate(exact: Sequence[Decimal], target: Decimal, quantum: Decimal = MONEY
     return floors
 
 
+# The parts a line's cost_total is the sum of, in report order.
+_COST_PARTS = ("cost_uncached", "cost_cached", "cost_output", "cost_reasoning")
+
+
 @dataclass(frozen=True, slots=True)
 class RoundedReport:
     lines: list[Line]
@@ -260,23 +283,22 @@ def round_report(lines: Sequence[Line], quantum: Decimal = MONEY_QUANTUM) -> Rou
     """Round the money of exact `lines` (docs/decisions/0011-billing-rounding.md):
 
     1. `cost_total` of the totals is the exact grand total rounded half-even; that is the one rounding.
-    2. The totals' three parts (uncached, cached, output) are that rounded total split by largest remainder, so each
-       is its exact column sum rounded down or up and the three add up to the rounded total.
+    2. The totals' four parts (uncached, cached, output, reasoning) are that rounded total split by largest
+       remainder, so each is its exact column sum rounded down or up and the four add up to the rounded total.
     3. Each part column's lines are that column's rounded total split by largest remainder over the lines.
     4. A line's `cost_total` is the sum of its rounded parts.
     `cache_savings` stands apart (it is not part of the cost): its total is rounded half-even, its lines allocated.
 
     So every rounded column adds up to its rounded total, each line's parts add up to its `cost_total`, each part
-    is within one quantum of its exact value and each line's `cost_total` within three.
+    is within one quantum of its exact value and each line's `cost_total` within four.
     """
     exact_totals = total(lines)
     grand = round_half_even(exact_totals.cost_total, quantum)
-    part_totals = allocate(
-        [exact_totals.cost_uncached, exact_totals.cost_cached, exact_totals.cost_output], grand, quantum
-    )
+    parts = _COST_PARTS
+    part_totals = allocate([getattr(exact_totals, name) for name in parts], grand, quantum)
     columns = [
         allocate([getattr(line, name) for line in lines], part_total, quantum)
-        for name, part_total in zip(("cost_uncached", "cost_cached", "cost_output"), part_totals, strict=True)
+        for name, part_total in zip(parts, part_totals, strict=True)
     ]
     savings_total = round_half_even(exact_totals.cache_savings, quantum)
     savings = allocate([line.cache_savings for line in lines], savings_total, quantum)
@@ -286,16 +308,18 @@ def round_report(lines: Sequence[Line], quantum: Decimal = MONEY_QUANTUM) -> Rou
             cost_uncached=uncached,
             cost_cached=cached,
             cost_output=output,
-            cost_total=_ROUNDING.add(_ROUNDING.add(uncached, cached), output),
+            cost_reasoning=reasoning,
+            cost_total=_ROUNDING.add(_ROUNDING.add(_ROUNDING.add(uncached, cached), output), reasoning),
             cache_savings=saved,
         )
-        for line, uncached, cached, output, saved in zip(lines, *columns, savings, strict=True)
+        for line, uncached, cached, output, reasoning, saved in zip(lines, *columns, savings, strict=True)
     ]
     totals = replace(
         exact_totals,
         cost_uncached=part_totals[0],
         cost_cached=part_totals[1],
         cost_output=part_totals[2],
+        cost_reasoning=part_totals[3],
         cost_total=grand,
         cache_savings=savings_total,
     )
@@ -312,6 +336,7 @@ class UsageRow:
     cached_tokens: int
     completion_tokens: int
     service_tier: str = DEFAULT_TIER
+    reasoning_tokens: int = 0  # part of completion_tokens
 
 
 def slices_of(rows: Iterable[UsageRow], book: PriceBook, key_of: Callable[[UsageRow], GroupKey]) -> list[UsageSlice]:
@@ -320,11 +345,12 @@ def slices_of(rows: Iterable[UsageRow], book: PriceBook, key_of: Callable[[Usage
     sums: dict[tuple[GroupKey, PriceTerms | None], list[int]] = {}
     for row in rows:
         price = book.in_force(row.base_model, row.started_at, row.service_tier)
-        found = sums.setdefault((key_of(row), None if price is None else price.terms), [0, 0, 0, 0])
+        found = sums.setdefault((key_of(row), None if price is None else price.terms), [0, 0, 0, 0, 0])
         found[0] += 1
         found[1] += row.prompt_tokens - row.cached_tokens
         found[2] += row.cached_tokens
         found[3] += row.completion_tokens
+        found[4] += row.reasoning_tokens
     return [UsageSlice(key, terms, *counts) for (key, terms), counts in sums.items()]
 
 
@@ -336,10 +362,12 @@ def line_fields(line: Line) -> Mapping[str, int | Decimal]:
         "input_uncached_tokens": line.input_uncached_tokens,
         "input_cached_tokens": line.input_cached_tokens,
         "output_tokens": line.output_tokens,
+        "reasoning_tokens": line.reasoning_tokens,
         "cache_hit_rate": line.cache_hit_rate,
         "cost_uncached": line.cost_uncached,
         "cost_cached": line.cost_cached,
         "cost_output": line.cost_output,
+        "cost_reasoning": line.cost_reasoning,
         "cost_total": line.cost_total,
         "cache_savings": line.cache_savings,
     }

@@ -80,6 +80,7 @@ class BillingUsageRepository:
             PriceVersion.input_per_mtok,
             PriceVersion.cached_input_per_mtok,
             PriceVersion.output_per_mtok,
+            PriceVersion.reasoning_per_mtok,
             PriceVersion.effective_at.label("since"),
             func.lead(PriceVersion.effective_at)
             .over(partition_by=(PriceVersion.base_model, PriceVersion.service_tier), order_by=PriceVersion.effective_at)
@@ -98,7 +99,7 @@ class BillingUsageRepository:
         # `fallback` joins only rows `own` did not: one of each pair is null, and coalesce takes the other.
         price_columns = tuple(
             func.coalesce(own.c[name], fallback.c[name])
-            for name in ("id", "input_per_mtok", "cached_input_per_mtok", "output_per_mtok")
+            for name in ("id", "input_per_mtok", "cached_input_per_mtok", "output_per_mtok", "reasoning_per_mtok")
         )
         query = (
             select(
@@ -108,6 +109,7 @@ class BillingUsageRepository:
                 func.coalesce(func.sum(UsageRecord.prompt_tokens - UsageRecord.cached_tokens), 0),
                 func.coalesce(func.sum(UsageRecord.cached_tokens), 0),
                 func.coalesce(func.sum(UsageRecord.completion_tokens), 0),
+                func.coalesce(func.sum(UsageRecord.reasoning_tokens), 0),
             )
             .select_from(UsageRecord)
             .outerjoin(own, and_(in_force(own), own.c.service_tier == UsageRecord.service_tier))
@@ -125,15 +127,18 @@ class BillingUsageRepository:
         width = len(keys)
         result: list[UsageSlice] = []
         for row in (await self._session.execute(query)).all():
-            version_id, input_price, cached_price, output_price = row[width : width + 4]
+            version_id, input_price, cached_price, output_price, reasoning_price = row[width : width + 5]
             terms = (
                 None
                 if version_id is None
                 else PriceTerms(
-                    input_per_mtok=input_price, cached_input_per_mtok=cached_price, output_per_mtok=output_price
+                    input_per_mtok=input_price,
+                    cached_input_per_mtok=cached_price,
+                    output_per_mtok=output_price,
+                    reasoning_per_mtok=reasoning_price,
                 )
             )
-            requests, uncached, cached, output = (int(n) for n in row[width + 4 :])
+            requests, uncached, cached, output, reasoning = (int(n) for n in row[width + 5 :])
             result.append(
                 UsageSlice(
                     key=_key(row[:width]),
@@ -142,6 +147,7 @@ class BillingUsageRepository:
                     input_uncached_tokens=uncached,
                     input_cached_tokens=cached,
                     output_tokens=output,
+                    reasoning_tokens=reasoning,
                 )
             )
         return result

@@ -51,6 +51,10 @@ class PriceSet(RequestBody):
         default=None, description="Prompt tokens served from the prefix cache; default a tenth of input_per_mtok."
     )
     output_per_mtok: Price
+    reasoning_per_mtok: Price | None = Field(
+        default=None,
+        description="Reasoning tokens (completion tokens inside a think block); default output_per_mtok.",
+    )
     service_tier: Annotated[ServiceTier, from_json_string(ServiceTier)] = Field(
         default=ServiceTier.DEFAULT,
         description="The tier these prices are for. A request of a tier with no version in force is rated by the "
@@ -81,6 +85,7 @@ class PriceOut(BaseModel):
     input_per_mtok: str
     cached_input_per_mtok: str
     output_per_mtok: str
+    reasoning_per_mtok: str
     currency: str
     effective_at: datetime
     created_at: datetime
@@ -95,6 +100,7 @@ class PriceOut(BaseModel):
             input_per_mtok=price_text(row.input_per_mtok),
             cached_input_per_mtok=price_text(row.cached_input_per_mtok),
             output_per_mtok=price_text(row.output_per_mtok),
+            reasoning_per_mtok=price_text(row.reasoning_per_mtok),
             currency=row.currency,
             effective_at=row.effective_at,
             created_at=row.created_at,
@@ -133,11 +139,13 @@ class LineNumbers(BaseModel):
     unpriced_requests: int = Field(description="Requests with no price in force for their base model; rated 0.")
     input_uncached_tokens: int
     input_cached_tokens: int
-    output_tokens: int
+    output_tokens: int = Field(description="Completion tokens, reasoning tokens included.")
+    reasoning_tokens: int = Field(description="The output tokens spent inside a think block.")
     cache_hit_rate: float = Field(description="input_cached_tokens / all prompt tokens, to 4 decimals.")
     cost_uncached: str
     cost_cached: str
-    cost_output: str
+    cost_output: str = Field(description="The output tokens that are not reasoning tokens, at the output price.")
+    cost_reasoning: str = Field(description="The reasoning tokens, at the reasoning price.")
     cost_total: str
     cache_savings: str = Field(
         description="What the cached tokens would have cost at the input price, minus their cost."
@@ -212,7 +220,7 @@ _LINE_TYPES: dict[GroupBy, type[LineNumbers]] = {
 class BillingReportOut(BaseModel):
     """Requests started in [start, end), one row per group, each request rated by the price version in force when
     it started. Money is rounded once per line (docs/decisions/0011-billing-rounding.md): each money column's rows
-    add up to its total, and each row's three costs add up to its cost_total."""
+    add up to its total, and each row's four costs add up to its cost_total."""
 
     object: Literal["billing.report"] = "billing.report"
     start: datetime

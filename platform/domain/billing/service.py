@@ -52,10 +52,12 @@ class BillingService:
         cached_input_per_mtok: Decimal | None,
         output_per_mtok: Decimal,
         effective_at: datetime | None,
+        reasoning_per_mtok: Decimal | None = None,
         service_tier: ServiceTier = ServiceTier.DEFAULT,
         now: datetime | None = None,
     ) -> PriceVersion:
         """Add a version of `base_model`'s prices for `service_tier`, in force from `effective_at` (default: now).
+        Without `reasoning_per_mtok`, reasoning tokens are priced as output (PriceVersion's default).
 
         The past is never rewritten: a version is refused (409 `would_rewrite_history`) when a recorded request it
         could rate started at or after its `effective_at`, since that request is already rated by the version
@@ -101,6 +103,8 @@ class BillingService:
             currency=CURRENCY,
             effective_at=since,
         )
+        if reasoning_per_mtok is not None:
+            version.reasoning_per_mtok = reasoning_per_mtok
         try:
             async with self._session.begin_nested():
                 return await self._prices.add(version)

@@ -30,6 +30,8 @@ class UsageRecord(Base):
     prompt_tokens: Mapped[int] = mapped_column(default=0)
     cached_tokens: Mapped[int] = mapped_column(default=0)
     completion_tokens: Mapped[int] = mapped_column(default=0)
+    # The completion tokens spent inside a think block (part of completion_tokens, as OpenAI counts them).
+    reasoning_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
     status: Mapped[str] = mapped_column(String(16))  # ok | length | error | cancelled
     service_tier: Mapped[str] = mapped_column(String(16), default="default", server_default="default")
     started_at: Mapped[datetime]

@@ -71,6 +71,7 @@ class UsageEvent:
     started_at: datetime  # timezone-aware
     finished_at: datetime
     service_tier: str = ServiceTier.DEFAULT.value  # the tier it ran on, resolved (never "auto")
+    reasoning_tokens: int = 0  # the completion tokens spent inside a think block (part of completion_tokens)
 
     def __post_init__(self) -> None:
         # Checked here, at the caller, so that the database never refuses an event for its shape.
@@ -78,8 +79,10 @@ class UsageEvent:
             value = getattr(self, name)
             if value is not None and not 0 < len(value) <= max_len:
                 raise ValueError(f"usage event: {name} must be 1 to {max_len} characters, got {value!r}")
-        if min(self.prompt_tokens, self.cached_tokens, self.completion_tokens) < 0:
+        if min(self.prompt_tokens, self.cached_tokens, self.completion_tokens, self.reasoning_tokens) < 0:
             raise ValueError("usage event: token counts must be >= 0")
+        if self.reasoning_tokens > self.completion_tokens:
+            raise ValueError("usage event: reasoning_tokens are completion tokens: at most completion_tokens")
         if self.started_at.tzinfo is None or self.finished_at.tzinfo is None:
             raise ValueError("usage event: started_at and finished_at must be timezone-aware")
         if self.service_tier not in _TIERS:

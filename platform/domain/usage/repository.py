@@ -22,6 +22,7 @@ class UsageTotals:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0  # part of completion_tokens
 
 
 class UsageRepository:
@@ -61,11 +62,16 @@ class UsageRepository:
                     func.coalesce(func.sum(UsageRecord.prompt_tokens), 0),
                     func.coalesce(func.sum(UsageRecord.cached_tokens), 0),
                     func.coalesce(func.sum(UsageRecord.completion_tokens), 0),
+                    func.coalesce(func.sum(UsageRecord.reasoning_tokens), 0),
                 ).where(*self._in_range(tenant_id, start, end))
             )
         ).one()
         return UsageTotals(
-            requests=int(row[0]), prompt_tokens=int(row[1]), cached_tokens=int(row[2]), completion_tokens=int(row[3])
+            requests=int(row[0]),
+            prompt_tokens=int(row[1]),
+            cached_tokens=int(row[2]),
+            completion_tokens=int(row[3]),
+            reasoning_tokens=int(row[4]),
         )
 
     async def list_in_range(

@@ -53,6 +53,7 @@ class UsageTotalsOut(BaseModel):
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = Field(description="The completion tokens spent inside a think block (counted in them).")
 
     @classmethod
     def of(cls, totals: UsageTotals) -> UsageTotalsOut:
@@ -61,6 +62,7 @@ class UsageTotalsOut(BaseModel):
             prompt_tokens=totals.prompt_tokens,
             cached_tokens=totals.cached_tokens,
             completion_tokens=totals.completion_tokens,
+            reasoning_tokens=totals.reasoning_tokens,
         )
 
 
@@ -110,6 +112,7 @@ class UsageRecordOut(BaseModel):
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = Field(description="The completion tokens spent inside a think block (counted in them).")
     status: str
     service_tier: str = Field(description="The service tier the request ran on (and is priced at).")
     started_at: datetime
@@ -123,6 +126,7 @@ class UsageRecordOut(BaseModel):
             prompt_tokens=record.prompt_tokens,
             cached_tokens=record.cached_tokens,
             completion_tokens=record.completion_tokens,
+            reasoning_tokens=record.reasoning_tokens,
             status=record.status,
             service_tier=record.service_tier,
             started_at=record.started_at,
