@@ -27,6 +27,7 @@ from loraplex.platform.domain.base_models.service import ModelConfigs
 from loraplex.platform.domain.fleet.embedded import (
     embedded_model,
     embedded_quantization,
+    embedded_reasoning_config,
     embedded_speculative_config,
     start_embedded_fleet,
 )
@@ -183,14 +184,19 @@ async def _open_fleet(
         registered = await BaseModelRepository(session).get_by_name(name)
         quantization = embedded_quantization(settings, registered.quantization if registered else None)
         speculative = embedded_speculative_config(settings, registered.speculative_config if registered else None)
-    fleet, engine, name, path = await start_embedded_fleet(settings, quantization, speculative)
+        reasoning = embedded_reasoning_config(
+            name, registered.reasoning_config if registered else None, first_start=registered is None
+        )
+    fleet, engine, name, path = await start_embedded_fleet(settings, quantization, speculative, reasoning)
     async with sessions() as session:
         # The embedded engine's model is a base model like any other, registered on first start; its record says
         # the quantization and speculation served (LORAPLEX_ENGINE_* may have changed them since).
         models = BaseModelRepository(session)
         row = await models.get_by_name(name)
         if row is None:
-            row = await models.add(BaseModel(name=name, source=str(path), quantization=quantization))
+            row = BaseModel(name=name, source=str(path), quantization=quantization)
+            row.set_reasoning(reasoning)  # the record is where reasoning is set: only on first start
+            row = await models.add(row)
         row.quantization = quantization
         row.set_speculative(speculative)
         await session.commit()

@@ -1,12 +1,12 @@
-"""The admin's models & prices page: the registered base models with a form to register one and one to set or clear
-a base model's speculative config, and the versioned price book (every version per base model and service tier, the
-one in force now marked) with a form to add a version.
+"""The admin's models & prices page: the registered base models with a form to register one and ones to set or clear
+a base model's speculative config and its reasoning config, and the versioned price book (every version per base
+model and service tier, the one in force now marked) with a form to add a version.
 
-The forms are read into the API's own request bodies (BaseModelCreate, BaseModelPatch: the speculative config as its
-JSON text; PriceSet: decimal prices, at most 9 decimals, an instant read as UTC) and go through the API's own
-functions (`register_base_model`, `update_base_model`, `set_price`), so a price that would re-rate recorded usage is
-refused here as there. A refused form re-renders the page with the message and the admin's input, having written
-nothing.
+The forms are read into the API's own request bodies (BaseModelCreate, BaseModelPatch: the speculative and reasoning
+configs as their JSON text; PriceSet: decimal prices, at most 9 decimals, an instant read as UTC) and go through the
+API's own functions (`register_base_model`, `update_base_model`, `set_price`), so a price that would re-rate recorded
+usage is refused here as there. A refused form re-renders the page with the message and the admin's input, having
+written nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ PRICE_LABELS = {
     "input_per_mtok": "input price (USD per 1M tokens)",
     "cached_input_per_mtok": "cached input price (USD per 1M tokens)",
     "output_per_mtok": "output price (USD per 1M tokens)",
+    "reasoning_per_mtok": "reasoning price (USD per 1M tokens)",
     "effective_at": "effective from",
 }
 MODEL_LABELS = {
@@ -51,6 +52,7 @@ MODEL_LABELS = {
     "source": "source path",
     "quantization": "quantization",
     "speculative_config": "speculative config",
+    "reasoning_config": "reasoning config",
 }
 
 
@@ -78,6 +80,13 @@ def speculative_text(model: BaseModelOut) -> str:
     return json.dumps(model.speculative_config.model_dump(exclude_none=True))
 
 
+def reasoning_text(model: BaseModelOut) -> str:
+    """A base model's reasoning config as the JSON text its form field takes ("" when it does not reason)."""
+    if model.reasoning_config is None:
+        return ""
+    return json.dumps(model.reasoning_config.model_dump())
+
+
 def _fields(data: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
     """The form's fields a request body knows (those bodies refuse unknown fields, the CSRF one included)."""
     return {name: data[name] for name in names if name in data and name != CSRF_FIELD}
@@ -92,6 +101,7 @@ async def _page(
     price_error: str | None = None,
     model_error: str | None = None,
     speculative_error: str | None = None,
+    reasoning_error: str | None = None,
     form: dict[str, Any] | None = None,
     status_code: int = 200,
 ) -> Template:
@@ -105,6 +115,7 @@ async def _page(
         status_code=status_code,
         models=models,
         speculative={model.name: speculative_text(model) for model in models},
+        reasoning={model.name: reasoning_text(model) for model in models},
         books=price_books(versions),
         tiers=[tier.value for tier in TIER_ORDER],
         quantizations=[q.value for q in Quantization],
@@ -113,6 +124,7 @@ async def _page(
         price_error=price_error,
         model_error=model_error,
         speculative_error=speculative_error,
+        reasoning_error=reasoning_error,
         form=form or {},
     )
 
@@ -156,6 +168,28 @@ class AdminModelPages(Controller):
             notice = f"Base model {updated.name} speculates by {updated.speculative_config.method}."
         return await _page(caller, db, resources, notice=notice)
 
+    @post("/models/reasoning", status_code=200)
+    async def set_reasoning(self, caller: Caller, db: DbSession, resources: AppResources, data: FormData) -> Template:
+        """Set a base model's reasoning config from the form's JSON text; a blank one makes it no reasoning model."""
+        name = str(data.get("name", "")).strip()
+        text = data.get("reasoning_config", "")
+        try:
+            if isinstance(text, str) and not text.strip():
+                body = BaseModelPatch(reasoning_config=None)
+            else:
+                body = parse_form(BaseModelPatch, {"reasoning_config": text}, labels=MODEL_LABELS)
+            updated = await update_base_model(db, resources, name, body)
+        except ApiError as exc:
+            await db.rollback()
+            return await _page(
+                caller, db, resources, reasoning_error=exc.message, form=data, status_code=exc.status_code
+            )
+        if updated.reasoning_config is None:
+            notice = f"Base model {updated.name} is no reasoning model."
+        else:
+            notice = f"Base model {updated.name} reasons by the {updated.reasoning_config.parser} parser."
+        return await _page(caller, db, resources, notice=notice)
+
     @post("/prices", status_code=200)
     async def add_price(self, caller: Caller, db: DbSession, resources: AppResources, data: FormData) -> Template:
         try:
@@ -166,7 +200,7 @@ class AdminModelPages(Controller):
             return await _page(caller, db, resources, price_error=exc.message, form=data, status_code=exc.status_code)
         notice = (
             f"{added.base_model} ({added.service_tier.value} tier): {added.input_per_mtok} / "
-            f"{added.cached_input_per_mtok} / {added.output_per_mtok} USD per 1M tokens from "
-            f"{added.effective_at:%Y-%m-%d %H:%M} UTC ({added.status})."
+            f"{added.cached_input_per_mtok} / {added.output_per_mtok} USD per 1M tokens (reasoning "
+            f"{added.reasoning_per_mtok}) from {added.effective_at:%Y-%m-%d %H:%M} UTC ({added.status})."
         )
         return await _page(caller, db, resources, notice=notice, status_code=201)

@@ -1,4 +1,5 @@
-"""HTTP for base models: an admin registers them and sets how they speculate; tenants see them in /v1/models."""
+"""HTTP for base models: an admin registers them and sets how they speculate and reason; tenants see them in
+/v1/models."""
 
 from __future__ import annotations
 
@@ -21,14 +22,21 @@ async def register_base_model(db: AsyncSession, resources: Resources, data: Base
         data.source,
         data.quantization.value if data.quantization else None,
         data.speculative_config,
+        data.reasoning_config,
     )
     await db.commit()
     return BaseModelOut.of(row)
 
 
 async def update_base_model(db: AsyncSession, resources: Resources, name: str, data: BaseModelPatch) -> BaseModelOut:
-    """Apply and commit `data` to the base model `name` (the API's and the console's way)."""
-    row = await BaseModelService(db, resources.model_configs).set_speculative_config(name, data.speculative_config)
+    """Apply and commit `data` to the base model `name` (the API's and the console's way): the fields it gives, all
+    or (on a refusal) none of them."""
+    service = BaseModelService(db, resources.model_configs)
+    row = await service.named(name)
+    if "speculative_config" in data.model_fields_set:
+        row = await service.set_speculative_config(name, data.speculative_config)
+    if "reasoning_config" in data.model_fields_set:
+        row = await service.set_reasoning_config(name, data.reasoning_config)
     await db.commit()
     return BaseModelOut.of(row)
 
@@ -54,7 +62,8 @@ class AdminBaseModelController(Controller):
 
     @patch(
         "/{name:path}",
-        summary="Set or clear a base model's speculative config (engines take it when they start)",
+        summary="Set or clear a base model's speculative config or reasoning config (engines take them when they "
+        "start; reasoning budgets apply at once)",
     )
     async def update(
         self, name: FromPath[str], data: JSONBody[BaseModelPatch], db: DbSession, resources: AppResources

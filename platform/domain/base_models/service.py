@@ -1,6 +1,6 @@
 """Base model logic: registration (the checkpoint's config.json must be readable and supported, and so must a
-speculative config's draft model), the speculative setting, and the model configs adapter validation needs.
-Stateless apart from a config cache; never commits."""
+speculative config's draft model), the speculative and reasoning settings, and the model configs adapter validation
+needs. Stateless apart from a config cache; never commits."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import anyio.to_thread
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from loraplex.engine import CheckpointError, ModelConfig, SpeculativeConfig
+from loraplex.engine import CheckpointError, ModelConfig, ReasoningConfig, SpeculativeConfig
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
 from loraplex.platform.errors import ApiError, conflict, invalid_request
@@ -64,7 +64,12 @@ class BaseModelService:
         self._configs = configs
 
     async def create(
-        self, name: str, source: str, quantization: str | None, speculative_config: SpeculativeConfig | None = None
+        self,
+        name: str,
+        source: str,
+        quantization: str | None,
+        speculative_config: SpeculativeConfig | None = None,
+        reasoning_config: ReasoningConfig | None = None,
     ) -> BaseModel:
         if await self._models.get_by_name(name) is not None:
             raise conflict(f"A base model named '{name}' already exists.", param="name")
@@ -81,6 +86,7 @@ class BaseModelService:
         await self._check_draft(speculative_config, config)
         row = BaseModel(name=name, source=source, quantization=quantization)
         row.set_speculative(speculative_config)
+        row.set_reasoning(reasoning_config)
         try:
             async with self._session.begin_nested():
                 return await self._models.add(row)
@@ -102,6 +108,15 @@ class BaseModelService:
                 ) from None
             await self._check_draft(speculative_config, target)
         row.set_speculative(speculative_config)
+        await self._session.flush()
+        return row
+
+    async def set_reasoning_config(self, name: str, reasoning_config: ReasoningConfig | None) -> BaseModel:
+        """Set (None: clear) how the base model `name` reasons. Its budgets apply at once: the platform sends each chat
+        request's thinking_token_budget from them. Its parser is taken when engines start: the embedded one at the
+        platform's next start, fleet engines from their own --reasoning-parser."""
+        row = await self.named(name)
+        row.set_reasoning(reasoning_config)
         await self._session.flush()
         return row
 

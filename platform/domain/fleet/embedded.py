@@ -16,6 +16,7 @@ from loraplex.engine import (
     AsyncEngine,
     EngineConfig,
     QuantizationName,
+    ReasoningConfig,
     SpeculativeConfig,
     parse_memory_budget,
 )
@@ -27,6 +28,11 @@ from loraplex.platform.settings import Settings
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "loraplex-demo"
+# The demo model is registered as a reasoning model (its `think` adapter writes a short think block), with budgets
+# sized to its 256-token context.
+DEMO_REASONING_CONFIG = ReasoningConfig(
+    parser="qwen3", budgets={"none": 0, "minimal": 8, "low": 16, "medium": 48, "high": 128}, default_effort="medium"
+)
 
 
 def demo_model_path() -> Path | None:
@@ -80,6 +86,25 @@ def embedded_speculative_config(settings: Settings, registered: dict[str, Any] |
         ) from None
 
 
+def embedded_reasoning_config(
+    name: str, registered: dict[str, Any] | None, *, first_start: bool
+) -> ReasoningConfig | None:
+    """How the embedded engine reasons: as its base model `name` is registered (`registered`, the base_models row's
+    JSON object; None: it does not). On the first start, before the model is registered, the demo model reasons by
+    DEMO_REASONING_CONFIG and any other model does not."""
+    if first_start:
+        return DEMO_REASONING_CONFIG if name == DEMO_MODEL_NAME else None
+    if registered is None:
+        return None
+    try:
+        return ReasoningConfig.from_dict(registered)
+    except ValueError as exc:
+        raise RuntimeError(
+            f"the base model's reasoning_config is not one the engine takes ({exc}): set another through "
+            "PATCH /admin/base-models/{name}"
+        ) from None
+
+
 def adapter_roots(settings: Settings) -> list[str]:
     if settings.s3_bucket is not None:
         return [f"s3://{settings.s3_bucket}/tenants/"]
@@ -90,6 +115,7 @@ async def start_embedded_fleet(
     settings: Settings,
     quantization: QuantizationName | None = None,
     speculative_config: SpeculativeConfig | None = None,
+    reasoning: ReasoningConfig | None = None,
 ) -> tuple[LocalFleet, AsyncEngine, str, Path]:
     from loraplex.engine.serve import create_engine_app
 
@@ -99,6 +125,7 @@ async def start_embedded_fleet(
         dtype=settings.engine_dtype,
         quantization=quantization,
         speculative_config=speculative_config,
+        reasoning=reasoning,
         max_model_len=settings.engine_max_model_len,
         kv_budget=parse_memory_budget(settings.engine_kv_budget),
         served_model_name=name,
@@ -115,11 +142,12 @@ async def start_embedded_fleet(
     started = time.perf_counter()
     engine = await AsyncEngine.create(config)
     logger.info(
-        "embedded engine serving %s from %s (%s, %s, %.1f s)",
+        "embedded engine serving %s from %s (%s, %s, %s, %.1f s)",
         name,
         path,
         quantization or "unquantized",
         f"speculating by {speculative_config.method}" if speculative_config is not None else "not speculating",
+        f"reasoning by {reasoning.parser}" if reasoning is not None else "not reasoning",
         time.perf_counter() - started,
     )
     app = create_engine_app(engine, adapter_roots=adapter_roots(settings))
