@@ -192,3 +192,18 @@ def test_bad_reasoning_fields_are_400(servers: dict[str, Any], fields: dict[str,
     assert response.status_code == 400, response.text
     if param is not None:
         assert response.json()["error"]["param"] == param
+
+
+def test_the_sdk_parse_helper_reads_the_answer_after_the_block(servers: dict[str, Any]) -> None:
+    from pydantic import BaseModel, Field
+
+    class Legs(BaseModel):
+        legs: int = Field(ge=0, le=99)
+
+    parsed = client(servers["url"]).chat.completions.parse(
+        model=MODEL, messages=MESSAGES, response_format=Legs, reasoning_effort="minimal", temperature=1.0, seed=1,
+        max_completion_tokens=120,
+    )  # fmt: skip
+    message = parsed.choices[0].message
+    assert isinstance(message.parsed, Legs)
+    assert reasoning_of(message)
