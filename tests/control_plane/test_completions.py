@@ -908,6 +908,7 @@ def test_usage_has_one_row_per_request_with_the_tokens_the_responses_reported(
         "prompt_tokens": sum(e[1] for e in expected.values()),
         "cached_tokens": sum(e[2] for e in expected.values()),
         "completion_tokens": sum(e[3] for e in expected.values()),
+        "reasoning_tokens": 0,  # not a reasoning model (test_completions_reasoning.py has one)
     }
 
 

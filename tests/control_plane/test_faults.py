@@ -211,8 +211,8 @@ class Faulty:
         connection = await asyncpg.connect(services.asyncpg_dsn(self.database_url), timeout=10)
         try:
             records = await connection.fetch(
-                "SELECT request_id, status, prompt_tokens, cached_tokens, completion_tokens FROM usage "
-                "WHERE tenant_id = $1",
+                "SELECT request_id, status, prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens "
+                "FROM usage WHERE tenant_id = $1",
                 uuid.UUID(self.tenant_id),
             )
         finally:
@@ -330,13 +330,16 @@ async def reconcile(platform: Faulty, outcomes: list[Outcome], *, max_elapsed_s:
         assert request_id in rows, f"{request_id} reached its client but has no usage row: {outcome}"
         row = rows[request_id]
         if outcome.status == 200 and outcome.usage is not None:
-            told = (outcome.usage["prompt_tokens"], outcome.usage["completion_tokens"])
-            assert (row["prompt_tokens"], row["completion_tokens"]) == told, (row, outcome)
+            reasoning = outcome.usage["completion_tokens_details"]["reasoning_tokens"]
+            told = (outcome.usage["prompt_tokens"], outcome.usage["completion_tokens"], reasoning)
+            assert (row["prompt_tokens"], row["completion_tokens"], row["reasoning_tokens"]) == told, (row, outcome)
             assert row["status"] in ("ok", "length"), row
     unseen = [row for request_id, row in rows.items() if request_id not in returned]
     for row in unseen:
         assert row["status"] == "cancelled", row
-        assert row["prompt_tokens"] == row["cached_tokens"] == row["completion_tokens"] == 0, row
+        assert (
+            row["prompt_tokens"] == row["cached_tokens"] == row["completion_tokens"] == row["reasoning_tokens"] == 0
+        ), row
     # The engine ran the requests whose ids reached their clients, and nothing else.
     assert len(platform.engine_calls) == len(returned), (len(platform.engine_calls), len(returned), len(unseen))
     counts = {"ok": sum(o.status == 200 for o in outcomes), "503": sum(o.status == 503 for o in outcomes)}

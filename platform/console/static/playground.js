@@ -2,6 +2,7 @@
 // Each Send posts the system prompt and the whole conversation as an OpenAI chat completion request, streamed, to
 // the console's chat path (the API's own handler, for the key this session signed in with), and writes the reply's
 // text into the page as it arrives: always as text (textContent), never as markup, since a model writes anything.
+// A reasoning model's think block (the deltas' reasoning_content) is shown apart, above its answer.
 "use strict";
 
 (() => {
@@ -49,14 +50,20 @@
       const prompt = usage.prompt_tokens || 0;
       const cached = (usage.prompt_tokens_details && usage.prompt_tokens_details.cached_tokens) || 0;
       const completion = usage.completion_tokens || 0;
+      const reasoning = (usage.completion_tokens_details && usage.completion_tokens_details.reasoning_tokens) || 0;
       line.dataset.promptTokens = String(prompt);
       line.dataset.cachedTokens = String(cached);
       line.dataset.completionTokens = String(completion);
-      line.textContent = [
+      line.dataset.reasoningTokens = String(reasoning);
+      const counts = [
         counted(prompt, "prompt token"),
         counted(cached, "cached token"),
         counted(completion, "completion token"),
-      ].join(" · ");
+      ];
+      if (reasoning > 0) {
+        counts.push(`${counted(reasoning, "reasoning token")} of them`);
+      }
+      line.textContent = counts.join(" · ");
     } else {
       line.textContent = "No token counts came back with this reply.";
     }
@@ -100,6 +107,7 @@
     const decoder = new TextDecoder();
     let buffer = "";
     let text = "";
+    let thought = "";
     let usage = null;
     for (;;) {
       const { value, done } = await reader.read();
@@ -124,6 +132,16 @@
           throw new Error(chunk.error.message || "The model failed while answering.");
         }
         for (const choice of chunk.choices || []) {
+          const thinking = choice.delta && choice.delta.reasoning_content;
+          if (thinking) {
+            thought += thinking;
+            if (!reply.thinking) {
+              reply.thinking = document.createElement("div");
+              reply.thinking.className = "thinking";
+              reply.turn.insertBefore(reply.thinking, reply.text);
+            }
+            reply.thinking.textContent = thought;
+          }
           const piece = choice.delta && choice.delta.content;
           if (piece) {
             text += piece;

@@ -78,6 +78,19 @@ async def _start(
     terms = await tenant_terms(resources, principal)
     service_tier = resolve_service_tier(body.service_tier, terms.service_tiers)
     source = ready_adapter_ref(resources, target.adapter).uri if target.adapter is not None else None
+    # Built first: it refuses what the target cannot take (a thinking budget for a model that does not reason)
+    # whether or not an engine serves it now.
+    sent = engine_body(
+        target,
+        body,
+        source,
+        # The tenant's prefix-cache salt: derived from the deployment's secret, never from the request, and not
+        # the tenant id itself (anyone who reaches an engine and knows an id could otherwise probe that cache).
+        cache_salt=resources.hasher.derive("prefix-cache-salt", str(principal.tenant_id)),
+        fairness_key=str(principal.tenant_id),
+        fairness_weight=terms.fairness_weight,
+        service_tier=service_tier,
+    )
     replica = await route(resources, principal, target, body)
     if replica is None:
         raise ApiError(
@@ -98,17 +111,7 @@ async def _start(
         target=target,
         body=body,
         replica=replica,
-        # The tenant's prefix-cache salt: derived from the deployment's secret, never from the request, and not
-        # the tenant id itself (anyone who reaches an engine and knows an id could otherwise probe that cache).
-        engine_body=engine_body(
-            target,
-            body,
-            source,
-            cache_salt=resources.hasher.derive("prefix-cache-salt", str(principal.tenant_id)),
-            fairness_key=str(principal.tenant_id),
-            fairness_weight=terms.fairness_weight,
-            service_tier=service_tier,
-        ),
+        engine_body=sent,
         path=path,
         service_tier=service_tier,
     )
@@ -280,6 +283,7 @@ class _Choice:
     """One choice of a non-streamed answer, as its streamed parts add up."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] | None = None  # chat: the think block's text, None until a delta carries some
     logprobs: list[Any] = field(default_factory=list)
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool calls by index, arguments joined
     finish: str | None = None
@@ -299,6 +303,11 @@ async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
                     delta = part.get("delta") or {}
                     piece = delta.get("content") if chat else part.get("text")
                     choice.text.append(piece or "")
+                    thought = delta.get("reasoning_content")
+                    if isinstance(thought, str):
+                        if choice.reasoning is None:
+                            choice.reasoning = []
+                        choice.reasoning.append(thought)
                     for tool_call in delta.get("tool_calls") or []:
                         _add_call_delta(choice.calls, tool_call)
                     if part.get("logprobs"):
@@ -307,13 +316,7 @@ async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
     except (EngineRequestError, EngineUnavailable) as exc:
         call.tally.status = "error"
         raise engine_error(exc) from None
-    tally = call.tally
-    usage = {
-        "prompt_tokens": tally.prompt_tokens,
-        "completion_tokens": tally.completion_tokens,
-        "total_tokens": tally.prompt_tokens + tally.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": tally.cached_tokens},
-    }
+    usage = call.tally.usage()
     created = int(time.time())
     ordered = [(index, choices[index]) for index in sorted(choices)]
     if chat:
@@ -324,6 +327,7 @@ async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
             message = {
                 "role": "assistant",
                 "content": "".join(text) if text and (any(text) or not calls) else None,
+                "reasoning_content": None if choice.reasoning is None else "".join(choice.reasoning),
                 "tool_calls": [calls[i] for i in sorted(calls)],
             }
             answers.append({"index": index, "message": message, "logprobs": merged, "finish_reason": choice.finish})

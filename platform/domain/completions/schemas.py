@@ -7,9 +7,11 @@ every list and number to a bound so one request cannot ask for unbounded work.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+import math
+import re
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 
 from loraplex.engine.serve import ChatMessage as EngineChatMessage
 from loraplex.engine.serve import NamedToolChoice, ToolDefinition, completion_limit
@@ -22,6 +24,18 @@ MAX_LOGIT_BIAS = 300  # entries; OpenAI's bound on how many tokens one request m
 MAX_CHOICES = 128  # for guided_choice
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit on choices
+MAX_THINKING_TOKENS = 1_000_000  # the most a thinking_token_budget may be (the engine's bound on a tier's budget)
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_TEXT = 1000  # characters of a string value of chat_template_kwargs
+# Variables the chat template gets from the request itself, or the tokenizer: a tenant may not set them through
+# chat_template_kwargs (they would replace the conversation, the tools or the special tokens the template renders).
+RESERVED_TEMPLATE_KWARGS: Final = frozenset(
+    {"messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token", "unk_token", "pad_token"}
+)
+_TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+# OpenAI's reasoning_effort values (loraplex.engine's REASONING_EFFORTS, in that order).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=1000)]
 TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # logit_bias keys: JSON keys are strings
@@ -30,6 +44,33 @@ Choices = Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field
 Regex = Annotated[str, StringConstraints(min_length=1, max_length=10_000)]
 Grammar = Annotated[str, StringConstraints(min_length=1, max_length=100_000)]
 Identifier = Annotated[str, StringConstraints(max_length=256)]
+
+
+def _template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs (vLLM's): extra variables for the chat template, such as {"enable_thinking": false}. A
+    few, named like identifiers, with JSON scalar values; never a variable the request or the tokenizer sets."""
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} variables")
+    for name, item in value.items():
+        if not _TEMPLATE_KWARG_NAME.fullmatch(name):
+            raise ValueError(f"{name[:80]!r} is not a variable name (letters, digits and _, at most 64)")
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"{name} is set by the request or the tokenizer, not through chat_template_kwargs")
+        if isinstance(item, str):
+            if len(item) > MAX_TEMPLATE_TEXT:
+                raise ValueError(f"{name}: a text value holds at most {MAX_TEMPLATE_TEXT} characters")
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise ValueError(f"{name}: a number must be finite")
+        elif isinstance(item, int) and not isinstance(item, bool):
+            if abs(item) >= 2**63:
+                raise ValueError(f"{name}: an integer must fit in 64 bits")
+        elif item is not None and not isinstance(item, bool):
+            raise ValueError(f"{name}: values are strings, numbers, booleans or null")
+    return value
+
+
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_template_kwargs)]
 
 
 class ChatMessage(EngineChatMessage):
@@ -144,6 +185,11 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template: Annotated[None, BeforeValidator(_refuse("chat_template", "the model's own template is used"))] = None
+    # Reasoning models: the tier of thinking (its token budget is the base model's, set by an admin), the template's
+    # own switches, and vLLM's explicit budget, which overrides the tier's.
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
+    thinking_token_budget: Annotated[int, Field(ge=0, le=MAX_THINKING_TOKENS)] | None = None
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:

@@ -35,7 +35,7 @@ from loraplex.platform.domain.fleet.client import (
 from loraplex.platform.domain.fleet.registry import Replica
 from loraplex.platform.domain.tenants.repository import TenantRepository
 from loraplex.platform.domain.usage.recorder import UsageEvent
-from loraplex.platform.errors import RETRY_AFTER_S, ApiError
+from loraplex.platform.errors import RETRY_AFTER_S, ApiError, invalid_request
 from loraplex.platform.ratelimit import Limits
 from loraplex.platform.resources import Resources
 from loraplex.platform.service_tiers import ServiceTier
@@ -67,6 +67,7 @@ class UsageTally:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # the completion tokens inside a think block (counted in completion_tokens)
     status: str = "cancelled"  # until a finish reason arrives
 
     def take(self, usage: dict[str, Any] | None) -> None:
@@ -76,6 +77,21 @@ class UsageTally:
         self.completion_tokens = int(usage.get("completion_tokens", self.completion_tokens))
         details = usage.get("prompt_tokens_details") or {}
         self.cached_tokens = int(details.get("cached_tokens", self.cached_tokens))
+        completion_details = usage.get("completion_tokens_details") or {}
+        reasoning = int(completion_details.get("reasoning_tokens", self.reasoning_tokens))
+        # Reasoning tokens are completion tokens; held to them so that an engine's miscount can never make a usage
+        # row the recorder refuses (the request would then go unbilled).
+        self.reasoning_tokens = min(reasoning, self.completion_tokens)
+
+    def usage(self) -> dict[str, Any]:
+        """The usage object a client is given, in OpenAI's shape."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+        }
 
 
 @dataclass(slots=True)
@@ -200,7 +216,13 @@ def engine_body(
     usage (so billing knows what each relayed chunk cost), and the tenant's `cache_salt`, which keeps its prefix-cache
     blocks apart from every other tenant's (a shared block would tell one tenant, through `cached_tokens`, what
     another sent). Fair share: the tenant (`fairness_key`) and its weight, and the resolved `service_tier`, which
-    the engine turns into the request's priority (the platform never sends `priority` itself)."""
+    the engine turns into the request's priority (the platform never sends `priority` itself).
+
+    A chat request to a reasoning model (its base model has a reasoning_config) always carries a
+    `thinking_token_budget`: the tenant's own, else the budget the base model's record gives its `reasoning_effort`
+    (or its default tier), so the engine, embedded or remote, enforces the platform's budgets. To any other model a
+    budget is refused (400, before an engine is asked); `reasoning_effort` and `chat_template_kwargs` go on as the
+    template's hints."""
     defaults = dict(target.endpoint.defaults or {}) if target.endpoint is not None else {}
     # Only what the client sent: a schema default (completions' max_tokens=16) must not hide the endpoint's default.
     # The engine has OpenAI's defaults for what neither gives.
@@ -226,6 +248,10 @@ def engine_body(
     merged["fairness_key"] = fairness_key  # the tenant: tenants share an engine fairly (its VTC scheduler)
     merged["fairness_weight"] = fairness_weight
     merged["service_tier"] = service_tier.value
+    if isinstance(body, ChatCompletionRequest):
+        budget = thinking_budget(target.base_model, body)
+        if budget is not None:
+            merged["thinking_token_budget"] = budget
     if target.adapter is not None:
         assert adapter_source is not None
         assert target.adapter.digest is not None
@@ -235,6 +261,32 @@ def engine_body(
             "digest": target.adapter.digest,
         }
     return merged
+
+
+def thinking_budget(base_model: BaseModel, body: ChatCompletionRequest) -> int | None:
+    """The thinking-token budget of `body` on `base_model` (see `engine_body`); None for a model that does not reason.
+    400 `unsupported_parameter` for a budget given to such a model."""
+    try:
+        reasoning = base_model.reasoning()
+    except ValueError as exc:  # stored valid; only a stricter engine release could refuse it now
+        logger.error("base model %s: its reasoning_config is no longer valid: %s", base_model.name, exc)
+        raise ApiError(
+            500,
+            "This model's reasoning settings are not valid; contact support.",
+            code="reasoning_config_invalid",
+        ) from None
+    if reasoning is None:
+        if body.thinking_token_budget is not None:
+            raise invalid_request(
+                f"thinking_token_budget is not supported by '{body.model}': this model has no reasoning parser. "
+                "Leave it out (reasoning_effort and chat_template_kwargs are passed to its chat template).",
+                param="thinking_token_budget",
+                code="unsupported_parameter",
+            )
+        return None
+    if body.thinking_token_budget is not None:
+        return body.thinking_token_budget
+    return reasoning.budget(body.reasoning_effort)
 
 
 def new_request_id(chat: bool) -> str:
@@ -255,6 +307,7 @@ def usage_event(call: Call) -> UsageEvent:
         prompt_tokens=call.tally.prompt_tokens,
         cached_tokens=call.tally.cached_tokens,
         completion_tokens=call.tally.completion_tokens,
+        reasoning_tokens=call.tally.reasoning_tokens,
         status=call.tally.status,
         started_at=call.started_at,
         finished_at=datetime.now(UTC),
@@ -338,6 +391,8 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
             if not choices:  # the final usage-only chunk
                 call.tally.take(usage)
                 if call.body.include_usage and usage:
+                    # OpenAI's shape always says how many completion tokens were reasoning (0 for most models).
+                    usage.setdefault("completion_tokens_details", {"reasoning_tokens": call.tally.reasoning_tokens})
                     event["usage"] = usage
                     yield event
             else:
