@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 from _support.checkpoints import tiny_spec, write_thinking_tokenizer
+from _support.console import BrowserProblems, chromium
 from _support.services import PostgresServer, RedisServer, S3Server
 from _support.waiting import wait_for
 from prometheus_client.parser import text_string_to_metric_families
@@ -252,3 +253,30 @@ def test_bad_reasoning_fields_are_400s_naming_them(
     error = response.json()["error"]
     assert error["param"] == param, error
     assert error["type"] == "invalid_request_error"
+
+
+# --- the console's playground ---------------------------------------------------------------------------------
+
+
+async def test_chromium_shows_the_think_block_apart_from_the_answer(platform: Platform, forced: int) -> None:
+    tenant = platform.make_tenant()
+    async with chromium() as browser:
+        page = await browser.new_page(viewport={"width": 1280, "height": 900})
+        problems = BrowserProblems(page, platform.url)
+        await page.goto(f"{platform.url}/console")
+        await page.fill("#key", tenant.key)
+        await page.click("button[type=submit]")
+        await page.wait_for_url(f"{platform.url}/console/playground")
+        await page.select_option("#model", platform.base_model)
+        await page.fill("#message", "How many legs has a spider?")
+        await page.click("#send")
+        reply = page.locator(".turn.assistant").first
+        usage = reply.locator(".usage")
+        await usage.wait_for(timeout=60_000)
+        thinking = reply.locator(".thinking")
+        assert await thinking.count() == 1
+        assert CLOSING.strip() in await thinking.inner_text()
+        spent = BUDGETS[REASONING.default_effort] + forced
+        assert await usage.get_attribute("data-reasoning-tokens") == str(spent)
+        assert f"{spent} reasoning tokens of them" in await usage.inner_text()
+        problems.check()
