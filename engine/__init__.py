@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from loraplex.engine.core.config import EngineConfig, parse_memory_budget
     from loraplex.engine.core.outputs import CompletionOutput, RequestOutput
     from loraplex.engine.core.reasoning_config import (
+        MAX_THINKING_BUDGET,
         REASONING_EFFORTS,
         REASONING_PARSERS,
         ReasoningConfig,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM",
+    "MAX_THINKING_BUDGET",
     "QUANTIZATIONS",
     "REASONING_EFFORTS",
     "REASONING_PARSERS",
@@ -67,6 +69,7 @@ _WHERE = {
     "SpeculativeConfig": "loraplex.engine.core.speculative_config",
     "ReasoningConfig": "loraplex.engine.core.reasoning_config",
     "REASONING_EFFORTS": "loraplex.engine.core.reasoning_config",
+    "MAX_THINKING_BUDGET": "loraplex.engine.core.reasoning_config",
     "REASONING_PARSERS": "loraplex.engine.core.reasoning_config",
     "parse_reasoning_budgets": "loraplex.engine.core.reasoning_config",
     "CheckpointError": "loraplex.engine.errors",

@@ -25,7 +25,7 @@ DEFAULT_REASONING_BUDGETS: Final[Mapping[str, int]] = {"none": 0, "minimal": 16,
 DEFAULT_REASONING_EFFORT: Final = "medium"  # OpenAI's default tier
 DEFAULT_CLOSING_TEXT: Final = "\n\nTime is up; answering now.\n"
 MAX_CLOSING_CHARS: Final = 256
-MAX_BUDGET: Final = 1_000_000
+MAX_THINKING_BUDGET: Final = 1_000_000
 
 # The think block's markers, as both parsers (and the models they are named after) write them.
 THINK_START: Final = "<think>"
@@ -80,8 +80,8 @@ class ReasoningConfig:
         for tier, budget in self.budgets.items():
             if tier not in REASONING_EFFORTS:
                 raise ValueError(f"{tier!r} is not a reasoning effort; tiers are {', '.join(REASONING_EFFORTS)}")
-            if not isinstance(budget, int) or isinstance(budget, bool) or not 0 <= budget <= MAX_BUDGET:
-                raise ValueError(f"{tier}'s budget must be a whole number of tokens from 0 to {MAX_BUDGET}")
+            if not isinstance(budget, int) or isinstance(budget, bool) or not 0 <= budget <= MAX_THINKING_BUDGET:
+                raise ValueError(f"{tier}'s budget must be a whole number of tokens from 0 to {MAX_THINKING_BUDGET}")
             merged[tier] = budget
         if merged["none"] != 0:
             raise ValueError("the none tier's budget is 0: it closes the think block before the first token")

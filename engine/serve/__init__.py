@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from loraplex.engine.serve.cli import configure_logging, engine
     from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
-    from loraplex.engine.serve.protocol import ChatMessage, completion_limit
+    from loraplex.engine.serve.protocol import RESERVED_TEMPLATE_VARIABLES, ChatMessage, completion_limit
     from loraplex.engine.serve.registration import ENGINE_KEY, ENGINES_SET, FleetRecord, engine_record
     from loraplex.engine.serve.server import create_engine_app, serve
     from loraplex.engine.serve.tool_calls import NamedToolChoice, ToolDefinition
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENGINES_SET",
     "ENGINE_KEY",
+    "RESERVED_TEMPLATE_VARIABLES",
     "ChatMessage",
     "FleetRecord",
     "GuardedRequest",
@@ -41,6 +42,7 @@ _WHERE = {
     "GuardedRequest": "loraplex.engine.serve.http_edge",
     "refuse_nul_bytes": "loraplex.engine.serve.http_edge",
     "ChatMessage": "loraplex.engine.serve.protocol",
+    "RESERVED_TEMPLATE_VARIABLES": "loraplex.engine.serve.protocol",
     "NamedToolChoice": "loraplex.engine.serve.tool_calls",
     "ToolDefinition": "loraplex.engine.serve.tool_calls",
     "completion_limit": "loraplex.engine.serve.protocol",

@@ -13,8 +13,9 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 
+from loraplex.engine import MAX_THINKING_BUDGET
+from loraplex.engine.serve import RESERVED_TEMPLATE_VARIABLES, NamedToolChoice, ToolDefinition, completion_limit
 from loraplex.engine.serve import ChatMessage as EngineChatMessage
-from loraplex.engine.serve import NamedToolChoice, ToolDefinition, completion_limit
 from loraplex.platform.schemas import Name, RequestBody
 
 MAX_STOP = 4
@@ -24,14 +25,12 @@ MAX_LOGIT_BIAS = 300  # entries; OpenAI's bound on how many tokens one request m
 MAX_CHOICES = 128  # for guided_choice
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit on choices
-MAX_THINKING_TOKENS = 1_000_000  # the most a thinking_token_budget may be (the engine's bound on a tier's budget)
+MAX_THINKING_TOKENS = MAX_THINKING_BUDGET  # the most a thinking_token_budget may be (the engine's bound on a tier's)
 MAX_TEMPLATE_KWARGS = 16
 MAX_TEMPLATE_TEXT = 1000  # characters of a string value of chat_template_kwargs
 # Variables the chat template gets from the request itself, or the tokenizer: a tenant may not set them through
 # chat_template_kwargs (they would replace the conversation, the tools or the special tokens the template renders).
-RESERVED_TEMPLATE_KWARGS: Final = frozenset(
-    {"messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token", "unk_token", "pad_token"}
-)
+RESERVED_TEMPLATE_KWARGS: Final = RESERVED_TEMPLATE_VARIABLES
 _TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 # OpenAI's reasoning_effort values (loraplex.engine's REASONING_EFFORTS, in that order).
