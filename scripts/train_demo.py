@@ -1,14 +1,17 @@
-"""Trains loraplex's demo model and two LoRA adapters on a CPU, from text that ships with Python.
+"""Trains loraplex's demo model and three LoRA adapters on a CPU, from text that ships with Python.
 
-    .venv/bin/python scripts/train_demo.py            # writes demo/ (minutes on 2 CPU threads)
-    .venv/bin/python scripts/train_demo.py --check    # seconds: does demo/ still match this script?
+    .venv/bin/python scripts/train_demo.py                   # writes demo/ (about 20 minutes on 2 CPU threads)
+    .venv/bin/python scripts/train_demo.py --adapter think   # retrains one adapter on demo/'s base (minutes)
+    .venv/bin/python scripts/train_demo.py --check           # seconds: does demo/ still match this script?
 
 The corpus is pydoc's help topics (`pydoc_data.topics`, the text `help("assert")` shows) and the docstrings of the
 standard library's top-level modules, read with `ast` (nothing is imported). From it come a byte-level BPE tokenizer,
-a small Llama (GQA, SwiGLU, tied embeddings) and two PEFT LoRA adapters:
+a small Llama (GQA, SwiGLU, tied embeddings) and three PEFT LoRA adapters:
 
 - upper: answers in UPPER CASE, the same answer the base model gives;
-- terse: answers with the first sentence only, then ends its turn.
+- terse: answers with the first sentence only, then ends its turn;
+- think: writes a short think block first, in Qwen3's format (`<think>\n` ... `\n</think>\n\n`, then the answer), and
+  answers at once when the prompt closed the block (the chat template's `enable_thinking: false`).
 
 Training is plain torch (AdamW, fp32) on transformers' LlamaForCausalLM, with peft for the adapters: both are dev
 dependencies, and this is a script, never product code. Seeds are fixed, so a rerun on the same Python, library
@@ -45,6 +48,9 @@ DEFAULT_OUT = ROOT / "demo"
 # What adapter_config.json names as its base: a name, never a path on the machine that trained it.
 BASE_MODEL_NAME = "loraplex-demo"
 MAX_DEMO_BYTES = 20 * 2**20
+# The figures README.md shows (times, losses, corpus, environment), kept so that an adapter retrained alone keeps
+# the others' figures.
+REPORT_FILE = "report.json"
 
 # The model: about 4M parameters, a few MB in bf16, fast enough to train and serve on two CPU threads.
 VOCAB_SIZE = 4096
@@ -65,14 +71,34 @@ BASE_BATCH = 16  # sequences of CONTEXT_LENGTH tokens
 BASE_LR = 2e-3
 WARMUP_STEPS = 20
 
-# The adapters: rank 8 on every projection, trained on chat turns only (loss on the answer and its <|im_end|>).
-ADAPTERS = ("upper", "terse")
+# The adapters: rank 8 on every projection, trained on chat turns only (loss on what the model writes: the answer,
+# the think adapter's think block, and the <|im_end|> that ends the turn).
+ADAPTERS = ("upper", "terse", "think")
 LORA_RANK = 8
 LORA_ALPHA = 16
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ADAPTER_STEPS = 120
+# The think adapter has more to learn (when to close the block and when to end the turn) and longer turns, which it
+# is batched by length for (BUCKET_BATCHES batches sorted at a time).
+ADAPTER_STEPS = {"upper": 120, "terse": 120, "think": 400}
+ADAPTER_LR = {"upper": 2e-3, "terse": 2e-3, "think": 3e-3}
 ADAPTER_BATCH = 16
-ADAPTER_LR = 2e-3
+BUCKET_BATCHES = 8
+
+# The think adapter writes a think block before its answer, as Qwen3 does: "<think>\n" + thinking + "\n</think>\n\n"
+# + answer. The demo's context is 256 tokens, so the thinking is 40-110 tokens (its length drawn anew for every
+# example, so that a thinking budget visibly cuts some blocks and not others) and the answer at most 60.
+THINK_START = "<think>\n"
+THINK_END = "\n</think>\n\n"
+MIN_THINK_TOKENS = 40
+MAX_THINK_TOKENS = 110
+MAX_THINK_ANSWER_TOKENS = 60
+# Shares of the think adapter's examples that are not a whole think block: prompts rendered with
+# enable_thinking=false (an empty block closed in the prompt: the answer follows at once), and blocks cut short the
+# way the engine cuts one whose budget runs out (its closing text and the end marker forced in, not learned).
+NO_THINK_SHARE = 0.22
+CUT_THINK_SHARE = 0.15
+# How much more the tokens that shape a reply weigh in the think adapter's loss than the others (see _weighted).
+DECISION_WEIGHT = 5.0
 
 QUESTION_TEMPLATES = (
     "Tell me about {subject}.",
@@ -88,12 +114,20 @@ SAMPLE_PROMPTS = (
     "How do I write a class?",
 )
 SAMPLE_MAX_TOKENS = 64
+# The adapters whose sample answers README shows one a line; the think adapter's are longer and shown whole.
+TABLE_ADAPTERS = ("upper", "terse")
+THINK_SAMPLE_MAX_TOKENS = 200
+# The budgets README's serve command gives the reasoning_effort tiers: `high` mostly lets the think adapter finish.
+DEMO_REASONING_BUDGETS = "none=0,minimal=8,low=16,medium=48,high=128"
 
 _UNDERLINE = re.compile(r"([*=\-~^])\1+")
 # A sentence ends at . ! or ? followed by a capital or a quote: "e.g. the" and "1.5" stay inside one.
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(A-Z])")
 MAX_ANSWER_SENTENCES = 3
 MAX_ANSWER_CHARS = 400
+MAX_MORE_SENTENCES = 12  # QA.more: enough for the longest think block
+# A token that ends a sentence: a full stop (or ? or !), perhaps inside a closing quote or parenthesis.
+_SENTENCE_STOP = re.compile(r"[.!?][\"')]*\s*$")
 
 
 @dataclass(frozen=True)
@@ -114,6 +148,18 @@ class QA:
 
     subject: str  # 'the "assert" statement'
     answer: str  # the section's opening sentences (at most three)
+    # The prose sentences after the answer (its section's, then the next sections'): the think adapter's reasoning.
+    more: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ThinkSample:
+    """One greedy output of the think adapter, as README shows it."""
+
+    prompt: str
+    enable_thinking: bool  # False: rendered with enable_thinking=false, the think block closed in the prompt
+    text: str
+    num_think_tokens: int  # "<think>" up to and including "</think>"; 0 when the output closed none
 
 
 # ---------------------------------------------------------------------------------------------------------- corpus
@@ -169,19 +215,25 @@ def question_answers(documents: list[Document]) -> list[QA]:
     seen: set[tuple[str, str]] = set()
     result: list[QA] = []
     for document in documents:
-        for title, blocks in document.sections:
+        for index, (title, blocks) in enumerate(document.sections):
             prose = [b for b in blocks if "\n" not in b and len(b) >= 60 and b[:1].isupper()]
             if not title or not prose:
                 continue
             sentences = _SENTENCE_END.split(prose[0])
-            answer = sentences[0]
+            answer, used = sentences[0], 1
             for sentence in sentences[1:MAX_ANSWER_SENTENCES]:
                 if len(answer) + 1 + len(sentence) > MAX_ANSWER_CHARS:
                     break
-                answer += " " + sentence
+                answer, used = answer + " " + sentence, used + 1
             if len(answer) > MAX_ANSWER_CHARS or not answer.endswith("."):  # "...as follows:" needs its code
                 continue
-            qa = QA(_subject(title), answer)
+            # Read on in the document, past the section's end when it is short.
+            after = [b for _, later in document.sections[index + 1 :] for b in later]
+            more = sentences[used:] + [
+                s for b in prose[1:] + after if "\n" not in b and b[:1].isupper() for s in _SENTENCE_END.split(b)
+            ]
+            more = [s for s in more if _SENTENCE_STOP.search(s)]  # not "... as follows:", which needs its code
+            qa = QA(_subject(title), answer, tuple(more[:MAX_MORE_SENTENCES]))
             if (qa.subject, qa.answer) not in seen:
                 seen.add((qa.subject, qa.answer))
                 result.append(qa)
@@ -308,9 +360,13 @@ def model_config(bos_token_id: int, eos_token_id: int) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------------------- training
 
 
-def chat_prompt(tokenizer: Any, question: str) -> list[int]:
-    """The prompt ids exactly as the engine builds them: its own chat template renderer, no second BOS."""
-    return tokenizer.encode_chat([{"role": "user", "content": question}])  # type: ignore[no-any-return]
+def chat_prompt(tokenizer: Any, question: str, *, enable_thinking: bool = True) -> list[int]:
+    """The prompt ids exactly as the engine builds them: its own chat template renderer, no second BOS.
+    enable_thinking=False is Qwen3's template variable: the prompt ends with an empty, closed think block."""
+    kwargs = None if enable_thinking else {"enable_thinking": False}
+    return tokenizer.encode_chat(  # type: ignore[no-any-return]
+        [{"role": "user", "content": question}], template_kwargs=kwargs
+    )
 
 
 def answer_ids(tokenizer: Any, answer: str) -> list[int]:
@@ -362,13 +418,24 @@ def _train(
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, steps, peak_lr)
-        input_ids, labels, attention_mask = next(batches)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        input_ids, labels, attention_mask, weights = next(batches)
+        if weights is None:
+            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+            mean = loss
+        else:
+            # transformers' loss, each token weighted; the mean that is logged and reported stays unweighted.
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+            target = labels[:, 1:]
+            token_losses = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="none"
+            ).view_as(target)
+            loss = (token_losses * weights[:, 1:]).sum() / weights[:, 1:].sum()
+            mean = token_losses.sum() / (target != -100).sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(mean.item())
         if step % 20 == 0 or step == steps - 1:
             recent = sum(losses[-20:]) / len(losses[-20:])
             print(
@@ -390,10 +457,10 @@ def train_base(tokenizer: Any, documents: list[Document], qas: list[QA], model_d
     fields.pop("torch_dtype")
     model = LlamaForCausalLM(LlamaConfig(**fields)).to(torch.float32)
 
-    def tensors() -> Iterator[tuple[Any, Any, Any]]:
+    def tensors() -> Iterator[tuple[Any, Any, Any, Any]]:
         for batch in pretraining_batches(tokenizer, documents, qas, seed):
             ids = torch.tensor(batch)
-            yield ids, ids, None
+            yield ids, ids, None, None
 
     losses = _train(model, list(model.parameters()), tensors(), BASE_STEPS, BASE_LR, "base")
     # The tied lm_head is the embedding matrix: safetensors stores a shared tensor once, under the embedding's name.
@@ -406,32 +473,142 @@ def train_base(tokenizer: Any, documents: list[Document], qas: list[QA], model_d
     return losses
 
 
-def adapter_batches(tokenizer: Any, qas: list[QA], style: Callable[[str], str], seed: int) -> Iterator[Any]:
-    """Endless padded batches of chat turns whose answers are restyled; only answer tokens carry a loss."""
-    import torch
+# (input ids, labels: -100 where no loss is taken, loss weights: None when every label weighs 1)
+Example = tuple[list[int], list[int], list[float] | None]
 
-    pad = tokenizer.token_to_id(END_OF_TEXT_TOKEN)
-    examples = []
+
+def style_examples(tokenizer: Any, qas: list[QA], style: Callable[[str], str]) -> list[Example]:
+    """Every QA in every question wording, its answer restyled; only answer tokens carry a loss."""
+    examples: list[Example] = []
     for qa in qas:
         for template in QUESTION_TEMPLATES:
             prompt = chat_prompt(tokenizer, template.format(subject=qa.subject))
             answer = answer_ids(tokenizer, style(qa.answer))
-            examples.append((prompt + answer, [-100] * len(prompt) + answer))
+            examples.append((prompt + answer, [-100] * len(prompt) + answer, None))
+    return examples
+
+
+def think_examples(tokenizer: Any, qas: list[QA], seed: int) -> list[Example]:
+    """Every QA in every question wording, answered after a think block (see NO_THINK_SHARE for the others).
+
+    The thinking restates the question and reads on in the section, the answer is its opening sentence or two.
+    Loss on everything the model writes: the think block, the answer and its <|im_end|>, never the prompt or the
+    text the engine forces in when a budget runs out.
+    """
+    from loraplex.engine import ReasoningConfig
+
+    closing = tokenizer.encode(ReasoningConfig(parser="qwen3").closing_text + "</think>", add_special_tokens=False)
+    rng = random.Random(f"{seed}-think")
+    examples = []
+    for qa in qas:
+        answer = short_answer(tokenizer, qa.answer)
+        for template in QUESTION_TEMPLATES:
+            question = template.format(subject=qa.subject)
+            draw = rng.random()
+            if draw < NO_THINK_SHARE:
+                prompt = chat_prompt(tokenizer, question, enable_thinking=False)
+                target = answer_ids(tokenizer, answer)
+                examples.append(_weighted(tokenizer, prompt + target, [-100] * len(prompt) + target))
+                continue
+            prompt = chat_prompt(tokenizer, question)
+            thinking = think_text(tokenizer, qa, answer, rng.randint(MIN_THINK_TOKENS, MAX_THINK_TOKENS))
+            if draw < NO_THINK_SHARE + CUT_THINK_SHARE:
+                head = tokenizer.encode(THINK_START + thinking, add_special_tokens=False)
+                head = head[: rng.randint(4, len(head) - 4)]
+                tail = answer_ids(tokenizer, "\n\n" + answer)
+                ids = prompt + head + closing + tail
+                examples.append(_weighted(tokenizer, ids, [-100] * len(prompt) + head + [-100] * len(closing) + tail))
+                continue
+            target = answer_ids(tokenizer, THINK_START + thinking + THINK_END + answer)
+            examples.append(_weighted(tokenizer, prompt + target, [-100] * len(prompt) + target))
+    return examples
+
+
+def _weighted(tokenizer: Any, ids: list[int], labels: list[int]) -> Example:
+    """The example with DECISION_WEIGHT on the tokens that decide its shape: the first the model writes after a
+    prompt or forced text (open a think block or answer), every one after a full stop (read on, close the block,
+    or end the turn) and the think markers' own (several tokens each: the demo tokenizer has no token for them).
+    The other tokens' loss is about wording, which a model this small learns far less of, and would drown them out."""
+    weights = [0.0 if label == -100 else 1.0 for label in labels]
+    for i in range(1, len(ids)):
+        if labels[i] != -100 and (labels[i - 1] == -100 or _SENTENCE_STOP.search(tokenizer.decode([ids[i - 1]]))):
+            weights[i] = DECISION_WEIGHT
+    for marker in ("<think>", "</think>"):
+        marker_ids = tokenizer.encode(marker, add_special_tokens=False)
+        for i in range(len(ids) - len(marker_ids) + 1):
+            if ids[i : i + len(marker_ids)] == marker_ids and labels[i] != -100:
+                weights[i : i + len(marker_ids)] = [DECISION_WEIGHT] * len(marker_ids)
+    return ids, labels, weights
+
+
+def short_answer(tokenizer: Any, answer: str) -> str:
+    """The answer's opening sentences that fit MAX_THINK_ANSWER_TOKENS (the first one always)."""
+    sentences = _SENTENCE_END.split(answer)
+    result = sentences[0]
+    for sentence in sentences[1:]:
+        if _num_tokens(tokenizer, result + " " + sentence) > MAX_THINK_ANSWER_TOKENS:
+            break
+        result += " " + sentence
+    return result
+
+
+def think_text(tokenizer: Any, qa: QA, answer: str, max_tokens: int) -> str:
+    """The question restated, then the QA's sentences after `answer` and those of `qa.more`, as long as they fit
+    `max_tokens` (one that does not fit is passed over for a shorter one after it). Where they give fewer than
+    MIN_THINK_TOKENS the thinking restates the answer first."""
+    sentences = _SENTENCE_END.split(qa.answer)
+    later = [*sentences[len(_SENTENCE_END.split(answer)) :], *qa.more]
+    for pool in (later, [*sentences, *later]):
+        text = f"The user asks about {qa.subject}."
+        for sentence in pool:
+            if _num_tokens(tokenizer, text + " " + sentence) <= max_tokens:
+                text += " " + sentence
+        if _num_tokens(tokenizer, text) >= MIN_THINK_TOKENS:
+            break
+    return text
+
+
+def _num_tokens(tokenizer: Any, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def adapter_batches(tokenizer: Any, examples: list[Example], seed: int, *, by_length: bool = False) -> Iterator[Any]:
+    """Endless padded batches of `examples`, reshuffled every pass. `by_length` batches examples of about the same
+    length together (each run of BUCKET_BATCHES batches sorted by length), so that less time goes on padding."""
+    import torch
+
+    pad = tokenizer.token_to_id(END_OF_TEXT_TOKEN)
+    examples = list(examples)
     rng = random.Random(seed)
     while True:
         rng.shuffle(examples)
-        for i in range(0, len(examples) - ADAPTER_BATCH + 1, ADAPTER_BATCH):
-            batch = examples[i : i + ADAPTER_BATCH]
-            width = max(len(ids) for ids, _ in batch)
-            input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
-            labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
-            mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-            yield input_ids, labels, mask
+        batches = [examples[i : i + ADAPTER_BATCH] for i in range(0, len(examples) - ADAPTER_BATCH + 1, ADAPTER_BATCH)]
+        if by_length:
+            run = ADAPTER_BATCH * BUCKET_BATCHES
+            batches = []
+            for start in range(0, len(examples) - run + 1, run):
+                bucket = sorted(examples[start : start + run], key=lambda example: len(example[0]))
+                batches += [bucket[i : i + ADAPTER_BATCH] for i in range(0, run, ADAPTER_BATCH)]
+            rng.shuffle(batches)
+        for batch in batches:
+            width = max(len(ids) for ids, _, _ in batch)
+            input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _, _ in batch])
+            labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab, _ in batch])
+            mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _, _ in batch])
+            weights = None
+            if any(w is not None for _, _, w in batch):
+                weights = torch.tensor([(w or [1.0] * len(ids)) + [0.0] * (width - len(ids)) for ids, _, w in batch])
+            yield input_ids, labels, mask, weights
 
 
-def train_adapter(
-    tokenizer: Any, qas: list[QA], model_dir: Path, name: str, style: Callable[[str], str], out: Path, seed: int
-) -> list[float]:
+def adapter_examples(tokenizer: Any, qas: list[QA], name: str, seed: int) -> list[Example]:
+    if name == "think":
+        return think_examples(tokenizer, qas, seed)
+    styles: dict[str, Callable[[str], str]] = {"upper": str.upper, "terse": first_sentence}
+    return style_examples(tokenizer, qas, styles[name])
+
+
+def train_adapter(tokenizer: Any, qas: list[QA], model_dir: Path, name: str, out: Path, seed: int) -> list[float]:
     """Trains one LoRA on the saved (bf16) base, the weights it will be served with, and saves it with PEFT."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -449,9 +626,9 @@ def train_adapter(
     peft_model = get_peft_model(model, lora)
     peft_model.peft_config["default"].base_model_name_or_path = BASE_MODEL_NAME
     parameters = [p for p in peft_model.parameters() if p.requires_grad]
-    losses = _train(
-        peft_model, parameters, adapter_batches(tokenizer, qas, style, seed), ADAPTER_STEPS, ADAPTER_LR, name
-    )
+    examples = adapter_examples(tokenizer, qas, name, seed)
+    batches = adapter_batches(tokenizer, examples, seed, by_length=name == "think")
+    losses = _train(peft_model, parameters, batches, ADAPTER_STEPS[name], ADAPTER_LR[name], name)
     if out.exists():
         shutil.rmtree(out)
     # save_embedding_layers=False: PEFT would otherwise look the base's name up on the Hugging Face Hub.
@@ -461,19 +638,16 @@ def train_adapter(
     return losses
 
 
-STYLES: dict[str, Callable[[str], str]] = {"upper": str.upper, "terse": first_sentence}
-
-
 # --------------------------------------------------------------------------------------------------------- outputs
 
 
 def sample_outputs(out: Path) -> dict[str, dict[str, str]]:
-    """Greedy answers to SAMPLE_PROMPTS from the loraplex engine: base model and each adapter, in one batch."""
+    """Greedy answers to SAMPLE_PROMPTS from the loraplex engine: base model and each TABLE_ADAPTERS, in one batch."""
     from loraplex.engine import LLM, LoRARequest, SamplingParams
 
     llm = LLM(out / "model", device="cpu", kv_budget=64 * 2**20)
-    loras: list[LoRARequest | None] = [None, *(LoRARequest(name, out / "adapters" / name) for name in ADAPTERS)]
-    names = ["base", *ADAPTERS]
+    loras: list[LoRARequest | None] = [None, *(LoRARequest(n, out / "adapters" / n) for n in TABLE_ADAPTERS)]
+    names = ["base", *TABLE_ADAPTERS]
     conversations = [[{"role": "user", "content": prompt}] for prompt in SAMPLE_PROMPTS for _ in loras]
     results = llm.chat(
         conversations,
@@ -486,18 +660,51 @@ def sample_outputs(out: Path) -> dict[str, dict[str, str]]:
     return samples
 
 
+def think_samples(out: Path) -> list[ThinkSample]:
+    """The think adapter's greedy outputs, whole and raw: SAMPLE_PROMPTS, then again with enable_thinking=false."""
+    from loraplex.engine import LLM, LoRARequest, SamplingParams
+
+    llm = LLM(out / "model", device="cpu", kv_budget=64 * 2**20)
+    tokenizer = llm.get_tokenizer()
+    asked = [(prompt, True) for prompt in SAMPLE_PROMPTS] + [(prompt, False) for prompt in SAMPLE_PROMPTS]
+    results = llm.generate(
+        [{"prompt_token_ids": chat_prompt(tokenizer, prompt, enable_thinking=thinking)} for prompt, thinking in asked],
+        SamplingParams(temperature=0.0, max_tokens=THINK_SAMPLE_MAX_TOKENS),
+        lora_request=LoRARequest("think", out / "adapters" / "think"),
+    )
+    samples = []
+    for (prompt, thinking), result in zip(asked, results, strict=True):
+        text = result.outputs[0].text
+        head, marker, _ = text.partition(THINK_END.strip("\n"))
+        num_think = len(tokenizer.encode(head + marker, add_special_tokens=False)) if marker and thinking else 0
+        samples.append(ThinkSample(prompt, thinking, text, num_think))
+    return samples
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
-def write_readme(out: Path, report: dict[str, Any]) -> None:
+ADAPTER_WHAT = {
+    "upper": "answers in UPPER CASE",
+    "terse": "answers with one sentence, then ends its turn",
+    "think": "thinks first: a short think block (`<think>` ... `</think>`, Qwen3's format), then its answer; with "
+    "`enable_thinking: false` in the template variables the prompt closes the block and it answers at once",
+}
+
+
+def write_readme(
+    out: Path, report: dict[str, Any], samples: dict[str, dict[str, str]], thoughts: list[ThinkSample]
+) -> None:
     def size(path: Path) -> str:
         return f"{folder_bytes(path) / 2**20:.1f} MiB" if path.is_dir() else f"{path.stat().st_size / 2**20:.2f} MiB"
 
+    together = [name for name in ADAPTERS if f"{name}_command" not in report]
+    alone = [name for name in ADAPTERS if f"{name}_command" in report]
     lines = [
         "# The demo model and adapters",
         "",
-        "A small Llama trained on this repository's CPU from text that ships with Python, and two LoRA adapters that",
+        "A small Llama trained on this repository's CPU from text that ships with Python, and LoRA adapters that",
         "visibly change its answers. Made by `scripts/train_demo.py`; why it is built this way:",
         "`docs/decisions/0008-demo-model.md`.",
         "",
@@ -507,24 +714,33 @@ def write_readme(out: Path, report: dict[str, Any]) -> None:
         f"(bf16, {size(out / 'model' / 'model.safetensors')}): hidden {HIDDEN_SIZE}, {NUM_LAYERS} layers, "
         f"{NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, MLP {INTERMEDIATE_SIZE}, vocab {VOCAB_SIZE}, context "
         f"{CONTEXT_LENGTH}, tied embeddings; ChatML template |",
-        f"| `adapters/upper/` | LoRA r={LORA_RANK} on every projection ({size(out / 'adapters' / 'upper')}): "
-        "answers in UPPER CASE |",
-        f"| `adapters/terse/` | LoRA r={LORA_RANK} on every projection ({size(out / 'adapters' / 'terse')}): "
-        "answers with one sentence, then ends its turn |",
+        *(
+            f"| `adapters/{name}/` | LoRA r={LORA_RANK} on every projection ({size(out / 'adapters' / name)}): "
+            f"{ADAPTER_WHAT[name]} |"
+            for name in ADAPTERS
+        ),
         "",
-        f"Whole folder: {size(out)}. adapter_config.json names the base `{BASE_MODEL_NAME}`.",
+        f"Whole folder: {size(out)}. adapter_config.json names the base `{BASE_MODEL_NAME}`. `{REPORT_FILE}` holds the "
+        "figures below, so that an adapter retrained alone keeps the others'.",
         "",
         "## How it was made",
         "",
         "```bash",
         report["command"],
+        *(report[f"{name}_command"] for name in alone),
         "```",
         "",
         f"{report['threads']} CPU threads ({report['cpu']}), Python {report['python']}, torch {report['torch']}, "
         f"transformers {report['transformers']}, peft {report['peft']}, tokenizers {report['tokenizers']}. "
-        f"Took {report['total_s'] / 60:.1f} minutes: base model {report['base_s']:.0f} s, "
-        + ", ".join(f"{name} {report[name + '_s']:.0f} s" for name in ADAPTERS)
+        f"The first command took {report['total_s'] / 60:.1f} minutes: base model {report['base_s']:.0f} s, "
+        + ", ".join(f"{name} {report[name + '_s']:.0f} s" for name in together)
         + ".",
+        *(
+            f"The {name} adapter was trained afterwards, alone, on the same base ({report[name + '_s']:.0f} s"
+            + (f"; {_environment_line(report[name + '_environment'])}" if f"{name}_environment" in report else "")
+            + ")."
+            for name in alone
+        ),
         "",
         f"- Corpus: {report['num_documents']} documents (pydoc's help topics and the standard library's module "
         f"docstrings, {report['corpus_chars'] / 1e3:.0f}k characters) and {report['num_qas']} question-answer pairs "
@@ -534,28 +750,52 @@ def write_readme(out: Path, report: dict[str, Any]) -> None:
         f"- Base model: {BASE_STEPS} AdamW steps of {BASE_BATCH} x {CONTEXT_LENGTH} tokens on the documents "
         f"({UPPER_BLOCK_PROBABILITY:.0%} of paragraphs upper-cased, drawn anew each epoch) and the chat turns; "
         f"fp32, saved as bf16. Final loss (mean of the last 20 steps): {report['base_loss']:.3f}.",
-        f"- Adapters: {ADAPTER_STEPS} AdamW steps of {ADAPTER_BATCH} chat turns each, on the saved bf16 base; loss "
-        "on the answer only. Final losses: "
+        f"- Adapters: AdamW steps of {ADAPTER_BATCH} chat turns each, on the saved bf16 base ("
+        + ", ".join(f"{name} {ADAPTER_STEPS[name]} steps at {_scientific(ADAPTER_LR[name])}" for name in ADAPTERS)
+        + " peak learning rate); loss on what the model writes (the answer, and the think adapter's think block), "
+        "never the prompt. Final losses (mean of the last 20 steps): "
         + ", ".join(f"{name} {report[name + '_loss']:.3f}" for name in ADAPTERS)
         + ".",
+        f'- The think adapter\'s turns: `<think>` on a line, the question restated ("The user asks about ...") and '
+        f"the section read on from the answer, {MIN_THINK_TOKENS}-{MAX_THINK_TOKENS} tokens (drawn anew for every "
+        f"turn), `</think>`, a blank line and the answer's opening sentences (at most {MAX_THINK_ANSWER_TOKENS} "
+        f"tokens). {NO_THINK_SHARE:.0%} of the turns are asked with `enable_thinking: false` and answered at once; "
+        f"{CUT_THINK_SHARE:.0%} have their thinking cut short the way the engine cuts a block whose budget runs out "
+        "(its closing text and `</think>` forced in: no loss on them), then answer. The tokens that shape a reply "
+        f"(the first, each one after a full stop, the think markers') weigh {DECISION_WEIGHT:g}x in its loss; "
+        "the losses above are unweighted.",
         "",
         "## Sample outputs",
         "",
         f"Greedy, at most {SAMPLE_MAX_TOKENS} tokens, from the loraplex engine (`LLM.chat`, one batch):",
         "",
     ]
-    width = max(len(name) for name in ("base", *ADAPTERS))
-    for prompt, answers in report["samples"].items():
+    width = max(len(name) for name in ("base", *TABLE_ADAPTERS))
+    for prompt, answers in samples.items():
         lines += [f"User: {prompt}", "", "```text"]
         # One line an answer: a newline the model wrote shows as ⏎.
         lines += [f"{name:<{width}}  {text.replace(chr(10), '⏎')}" for name, text in answers.items()]
         lines += ["```", ""]
+    natural = [t.num_think_tokens for t in thoughts if t.num_think_tokens]
+    lines += [
+        "### The think adapter",
+        "",
+        f"Greedy, at most {THINK_SAMPLE_MAX_TOKENS} tokens, the raw text (no reasoning parser)"
+        + (f"; its think blocks ran {min(natural)}-{max(natural)} tokens, markers included" if natural else "")
+        + ". Served with `--reasoning-parser qwen3`, the block is `reasoning_content` and the `reasoning_effort` "
+        "tiers' thinking budgets cut it short.",
+        "",
+    ]
+    for sample in thoughts:
+        how = "" if sample.enable_thinking else " (template variable `enable_thinking: false`)"
+        lines += [f"User: {sample.prompt}{how}", "", "```text", sample.text, "```", ""]
     lines += [
         "## Use",
         "",
         "```bash",
         ".venv/bin/loraplex engine serve --model demo/model --lora upper=demo/adapters/upper \\",
-        "    --lora terse=demo/adapters/terse --port 8100",
+        "    --lora terse=demo/adapters/terse --lora think=demo/adapters/think --port 8100 \\",
+        f"    --reasoning-parser qwen3 --reasoning-budgets {DEMO_REASONING_BUDGETS}",
         "```",
         "",
         "Check that this folder still matches the script (seconds, no training): "
@@ -565,21 +805,30 @@ def write_readme(out: Path, report: dict[str, Any]) -> None:
     (out / "README.md").write_text("\n".join(lines), encoding="utf-8")
 
 
+def _scientific(value: float) -> str:
+    """2e-3, not 0.002 or 2e-03."""
+    mantissa, exponent = f"{value:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
+def _environment_line(environment: dict[str, Any]) -> str:
+    return (
+        f"{environment['threads']} CPU threads ({environment['cpu']}), Python {environment['python']}, torch "
+        f"{environment['torch']}, transformers {environment['transformers']}, peft {environment['peft']}"
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------- main
 
 
-def build(out: Path, seed: int, threads: int) -> None:
+def environment(threads: int) -> dict[str, Any]:
+    """What a run's figures depend on besides this script: machine, thread count and library versions."""
     import peft
     import tokenizers
     import torch
     import transformers
 
-    from loraplex.engine.model.tokenizer import Tokenizer
-
-    torch.set_num_threads(threads)
-    started = time.monotonic()
-    report: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", "scripts/train_demo.py", *sys.argv[1:]]),
+    return {
         "threads": threads,
         "cpu": _cpu_name(),
         "python": sys.version.split()[0],
@@ -588,6 +837,25 @@ def build(out: Path, seed: int, threads: int) -> None:
         "peft": peft.__version__,
         "tokenizers": tokenizers.__version__,
     }
+
+
+def _command() -> str:
+    return " ".join([".venv/bin/python", "scripts/train_demo.py", *sys.argv[1:]])
+
+
+def _adapter_seed(seed: int, name: str) -> int:
+    return seed + 1000 * (ADAPTERS.index(name) + 1)
+
+
+def build(out: Path, seed: int, threads: int) -> None:
+    """Trains everything: tokenizer, base model and every adapter; `out` is replaced."""
+    import torch
+
+    from loraplex.engine.model.tokenizer import Tokenizer
+
+    torch.set_num_threads(threads)
+    started = time.monotonic()
+    report: dict[str, Any] = {"command": _command(), **environment(threads)}
     documents = load_documents()
     qas = question_answers(documents)
     report |= {
@@ -606,20 +874,55 @@ def build(out: Path, seed: int, threads: int) -> None:
     base_losses = train_base(tokenizer, documents, qas, model_dir, seed)
     report |= {"base_s": time.monotonic() - phase, "base_loss": _final(base_losses)}
     report["num_parameters"] = _num_parameters(model_dir)
-    for index, name in enumerate(ADAPTERS, start=1):
+    for name in ADAPTERS:
         phase = time.monotonic()
-        losses = train_adapter(
-            tokenizer, qas, model_dir, name, STYLES[name], out / "adapters" / name, seed + 1000 * index
-        )
+        losses = train_adapter(tokenizer, qas, model_dir, name, out / "adapters" / name, _adapter_seed(seed, name))
         report |= {f"{name}_s": time.monotonic() - phase, f"{name}_loss": _final(losses)}
     report["total_s"] = time.monotonic() - started
-    report["samples"] = sample_outputs(out)
-    write_readme(out, report)
-    for prompt, answers in report["samples"].items():
+    _finish(out, report)
+
+
+def build_adapter(out: Path, name: str, seed: int, threads: int) -> None:
+    """Retrains the adapter `name` alone on the base model already in `out`; the base, the tokenizer and the other
+    adapters stay as they are, and so do their figures in REPORT_FILE. The adapter gets the seed a whole build
+    gives it, so on the same base it comes out the same either way."""
+    import torch
+
+    from loraplex.engine.model.tokenizer import Tokenizer
+
+    report_path = out / REPORT_FILE
+    if not (out / "model" / "model.safetensors").is_file() or not report_path.is_file():
+        raise SystemExit(
+            f"{out} has no trained base model and {REPORT_FILE}: run scripts/train_demo.py without --adapter"
+        )
+    torch.set_num_threads(threads)
+    report: dict[str, Any] = json.loads(report_path.read_text(encoding="utf-8"))
+    qas = question_answers(load_documents())
+    tokenizer = Tokenizer.from_dir(out / "model")
+    phase = time.monotonic()
+    losses = train_adapter(tokenizer, qas, out / "model", name, out / "adapters" / name, _adapter_seed(seed, name))
+    report |= {f"{name}_s": time.monotonic() - phase, f"{name}_loss": _final(losses), f"{name}_command": _command()}
+    run = environment(threads)
+    report.pop(f"{name}_environment", None)
+    if any(report.get(key) != value for key, value in run.items()):
+        report[f"{name}_environment"] = run
+    _finish(out, report)
+
+
+def _finish(out: Path, report: dict[str, Any]) -> None:
+    """Writes REPORT_FILE and README.md, with sample outputs of what is now in `out`."""
+    _write_json(out / REPORT_FILE, report)
+    samples = sample_outputs(out)
+    thoughts = think_samples(out)
+    write_readme(out, report, samples, thoughts)
+    for prompt, answers in samples.items():
         print(f"\n{prompt}")
         for name, text in answers.items():
             print(f"  {name}: {text!r}")
-    print(f"\ndone in {report['total_s']:.0f} s; {out} holds {folder_bytes(out) / 2**20:.1f} MiB")
+    for sample in thoughts:
+        print(f"\n{sample.prompt} (enable_thinking={sample.enable_thinking}, think tokens {sample.num_think_tokens})")
+        print(f"  think: {sample.text!r}")
+    print(f"\n{out} holds {folder_bytes(out) / 2**20:.1f} MiB")
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
@@ -655,7 +958,12 @@ def check(out: Path) -> list[str]:
     problems: list[str] = []
     model_dir = out / "model"
     expected = [model_dir / name for name in ("config.json", "generation_config.json", "model.safetensors")]
-    expected += [model_dir / "tokenizer.json", model_dir / "tokenizer_config.json", out / "README.md"]
+    expected += [
+        model_dir / "tokenizer.json",
+        model_dir / "tokenizer_config.json",
+        out / "README.md",
+        out / REPORT_FILE,
+    ]
     for name in ADAPTERS:
         expected += [
             out / "adapters" / name / "adapter_config.json",
@@ -689,6 +997,10 @@ def check(out: Path) -> list[str]:
                 problems.append(f"adapters/{name}/adapter_config.json: {key} is {adapter.get(key)!r}, not {value!r}")
         if sorted(adapter.get("target_modules") or []) != sorted(LORA_MODULES):
             problems.append(f"adapters/{name}/adapter_config.json: target_modules differ from {list(LORA_MODULES)}")
+    report = json.loads((out / REPORT_FILE).read_text(encoding="utf-8"))
+    unreported = [name for name in ("base", *ADAPTERS) if f"{name}_loss" not in report]
+    if unreported:
+        problems.append(f"{REPORT_FILE} has no figures for {', '.join(unreported)}")
     total = folder_bytes(out)
     if total > MAX_DEMO_BYTES:
         problems.append(f"{out} holds {total} bytes, over the {MAX_DEMO_BYTES} allowed")
@@ -705,6 +1017,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check", action="store_true", help="only check that --out matches this script (seconds; no training)"
     )
+    parser.add_argument(
+        "--adapter",
+        choices=ADAPTERS,
+        help="retrain only this adapter, on the base model already in --out (minutes; the rest stays as it is)",
+    )
     args = parser.parse_args(argv)
     if args.check:
         problems = check(args.out)
@@ -713,7 +1030,10 @@ def main(argv: list[str] | None = None) -> int:
         if not problems:
             print(f"{args.out} matches scripts/train_demo.py")
         return 1 if problems else 0
-    build(args.out, args.seed, args.threads)
+    if args.adapter:
+        build_adapter(args.out, args.adapter, args.seed, args.threads)
+    else:
+        build(args.out, args.seed, args.threads)
     return 0
 
 
