@@ -24,11 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"
 MODEL = DEMO / "model"
 SCRIPT = ROOT / "scripts" / "train_demo.py"
-ADAPTERS = ("upper", "terse")
+ADAPTERS = ("upper", "terse", "think")
+STYLE_ADAPTERS = ("upper", "terse")  # same answer, restyled
 MAX_DEMO_BYTES = 20 * 2**20
 # A question from the adapters' training distribution (scripts/train_demo.py's QUESTION_TEMPLATES and pydoc titles).
 PROMPT = 'Tell me about the "for" statement.'
 MAX_TOKENS = 48
+MAX_THINK_TOKENS = 200  # a think block and an answer: the demo context is 256 tokens
 NUM_COMPARED_TOKENS = 16
 
 
@@ -39,17 +41,38 @@ def _upper_share(text: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def answers() -> dict[str, RequestOutput]:
-    """Greedy answers to PROMPT from the engine: the base model and each adapter, in one batch."""
-    llm = LLM(MODEL, device="cpu", kv_budget=64 * 2**20)
-    names = ["base", *ADAPTERS]
-    loras = [None, *(LoRARequest(name, DEMO / "adapters" / name) for name in ADAPTERS)]
+def llm() -> LLM:
+    return LLM(MODEL, device="cpu", kv_budget=64 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def answers(llm: LLM) -> dict[str, RequestOutput]:
+    """Greedy answers to PROMPT from the engine: the base model and each style adapter, in one batch."""
+    names = ["base", *STYLE_ADAPTERS]
+    loras = [None, *(LoRARequest(name, DEMO / "adapters" / name) for name in STYLE_ADAPTERS)]
     results = llm.chat(
         [[{"role": "user", "content": PROMPT}] for _ in names],
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
         lora_request=loras,
     )
     return dict(zip(names, results, strict=True))
+
+
+@pytest.fixture(scope="module")
+def thoughts(llm: LLM) -> dict[str, RequestOutput]:
+    """The think adapter's greedy outputs to PROMPT: as the template renders it by default ("on") and with Qwen3's
+    enable_thinking=false ("off"), which closes an empty think block in the prompt."""
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "user", "content": PROMPT}]
+    results = llm.generate(
+        [
+            {"prompt_token_ids": tokenizer.encode_chat(messages)},
+            {"prompt_token_ids": tokenizer.encode_chat(messages, template_kwargs={"enable_thinking": False})},
+        ],
+        SamplingParams(temperature=0.0, max_tokens=MAX_THINK_TOKENS),
+        lora_request=LoRARequest("think", DEMO / "adapters" / "think"),
+    )
+    return dict(zip(("on", "off"), results, strict=True))
 
 
 class TestDemoFolder:
@@ -131,3 +154,17 @@ class TestAdapters:
                 pad_token_id=1,
             )
         assert generated[0, len(prompt_ids) :].tolist() == answers["upper"].outputs[0].token_ids[:NUM_COMPARED_TOKENS]
+
+    def test_think_thinks_then_answers(self, thoughts: dict[str, RequestOutput]) -> None:
+        output = thoughts["on"].outputs[0]
+        assert output.text.startswith("<think>\n"), output.text
+        thinking, end, answer = output.text.removeprefix("<think>\n").partition("\n</think>\n\n")
+        assert end, output.text
+        assert len(thinking.split()) >= 10 and "<think>" not in thinking, output.text
+        assert len(answer.split()) >= 3 and "think>" not in answer, output.text
+        assert output.finish_reason == "stop", output.text
+
+    def test_think_answers_at_once_when_thinking_is_off(self, thoughts: dict[str, RequestOutput]) -> None:
+        output = thoughts["off"].outputs[0]
+        assert "think>" not in output.text and len(output.text.split()) >= 3, output.text
+        assert output.finish_reason == "stop", output.text
