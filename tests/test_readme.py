@@ -130,9 +130,21 @@ def test_api_tour_runs_as_written(dev_server: tuple[str, list[str], Path]) -> No
         assert letters and share(sum(c.isupper() for c in letters) / len(letters)), (model, answers[model])
     # The streamed answer is the non-streamed one (greedy), followed by its usage.
     assert answers["shouty"] in result.stdout.split(f"shouty: {answers['shouty']}", 1)[1], output
+    # The thinking adapter's tiers: none thinks not at all, low less than high, and each answers.
+    thought = {
+        effort: int(tokens)
+        for effort, tokens in re.findall(r"^thinker \((\w+)\): (\d+) reasoning tokens$", result.stdout, re.M)
+    }
+    assert set(thought) == {"none", "low", "high"}, output
+    assert thought["none"] == 0 < thought["low"] < thought["high"], thought
+    assert "  reasoning: None" in result.stdout, output  # none's
+    answers_after_thinking = re.findall(r"^  answer: (.+)$", result.stdout, re.M)
+    assert len(answers_after_thinking) == 3 and all(a.strip() for a in answers_after_thinking), output
     usage = re.search(r'"totals":\{[^}]*"requests":(\d+)', compact)
-    assert usage is not None and int(usage.group(1)) == 3, output
-    # The three requests are priced: the tenant's bill and the admin's report line agree.
+    assert usage is not None and int(usage.group(1)) == 6, output
+    reasoning = re.search(r'"totals":\{[^}]*"reasoning_tokens":(\d+)', compact)
+    assert reasoning is not None and int(reasoning.group(1)) == thought["low"] + thought["high"], output
+    # The six requests are priced: the tenant's bill and the admin's report line agree.
     bill = re.search(r'"billing":\{[^}]*"cost_total":"([0-9.]+)"', compact)
     report = re.search(r'"rows":\[\{"tenant_name":"acme-tour"[^}]*"cost_total":"([0-9.]+)"', compact)
     assert bill is not None and report is not None, output
