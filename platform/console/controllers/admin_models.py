@@ -12,7 +12,7 @@ written nothing.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -92,6 +92,31 @@ def _fields(data: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
     return {name: data[name] for name in names if name in data and name != CSRF_FIELD}
 
 
+async def _set_config(
+    caller: ConsoleCaller,
+    db: AsyncSession,
+    resources: Resources,
+    data: FormData,
+    field: str,
+    notice: Callable[[BaseModelOut], str],
+) -> Template:
+    """PATCH one JSON config `field` (speculative_config, reasoning_config) of the form's base model from the form's
+    text, a blank text clearing it; a refusal shows on the page as `<kind>_error`, with nothing written."""
+    name = str(data.get("name", "")).strip()
+    text = data.get(field, "")
+    try:
+        if isinstance(text, str) and not text.strip():
+            body = BaseModelPatch.model_validate({field: None})
+        else:
+            body = parse_form(BaseModelPatch, {field: text}, labels=MODEL_LABELS)
+        updated = await update_base_model(db, resources, name, body)
+    except ApiError as exc:
+        await db.rollback()
+        error = {f"{field.removesuffix('_config')}_error": exc.message}
+        return await _page(caller, db, resources, form=data, status_code=exc.status_code, **error)
+    return await _page(caller, db, resources, notice=notice(updated))
+
+
 async def _page(
     caller: ConsoleCaller,
     db: AsyncSession,
@@ -149,46 +174,24 @@ class AdminModelPages(Controller):
     @post("/models/speculative", status_code=200)
     async def set_speculative(self, caller: Caller, db: DbSession, resources: AppResources, data: FormData) -> Template:
         """Set a base model's speculative config from the form's JSON text; a blank one turns speculation off."""
-        name = str(data.get("name", "")).strip()
-        text = data.get("speculative_config", "")
-        try:
-            if isinstance(text, str) and not text.strip():
-                body = BaseModelPatch(speculative_config=None)
-            else:
-                body = parse_form(BaseModelPatch, {"speculative_config": text}, labels=MODEL_LABELS)
-            updated = await update_base_model(db, resources, name, body)
-        except ApiError as exc:
-            await db.rollback()
-            return await _page(
-                caller, db, resources, speculative_error=exc.message, form=data, status_code=exc.status_code
-            )
-        if updated.speculative_config is None:
-            notice = f"Base model {updated.name} no longer speculates."
-        else:
-            notice = f"Base model {updated.name} speculates by {updated.speculative_config.method}."
-        return await _page(caller, db, resources, notice=notice)
+
+        def notice(updated: BaseModelOut) -> str:
+            if updated.speculative_config is None:
+                return f"Base model {updated.name} no longer speculates."
+            return f"Base model {updated.name} speculates by {updated.speculative_config.method}."
+
+        return await _set_config(caller, db, resources, data, "speculative_config", notice)
 
     @post("/models/reasoning", status_code=200)
     async def set_reasoning(self, caller: Caller, db: DbSession, resources: AppResources, data: FormData) -> Template:
         """Set a base model's reasoning config from the form's JSON text; a blank one makes it no reasoning model."""
-        name = str(data.get("name", "")).strip()
-        text = data.get("reasoning_config", "")
-        try:
-            if isinstance(text, str) and not text.strip():
-                body = BaseModelPatch(reasoning_config=None)
-            else:
-                body = parse_form(BaseModelPatch, {"reasoning_config": text}, labels=MODEL_LABELS)
-            updated = await update_base_model(db, resources, name, body)
-        except ApiError as exc:
-            await db.rollback()
-            return await _page(
-                caller, db, resources, reasoning_error=exc.message, form=data, status_code=exc.status_code
-            )
-        if updated.reasoning_config is None:
-            notice = f"Base model {updated.name} is no reasoning model."
-        else:
-            notice = f"Base model {updated.name} reasons by the {updated.reasoning_config.parser} parser."
-        return await _page(caller, db, resources, notice=notice)
+
+        def notice(updated: BaseModelOut) -> str:
+            if updated.reasoning_config is None:
+                return f"Base model {updated.name} is no reasoning model."
+            return f"Base model {updated.name} reasons by the {updated.reasoning_config.parser} parser."
+
+        return await _set_config(caller, db, resources, data, "reasoning_config", notice)
 
     @post("/prices", status_code=200)
     async def add_price(self, caller: Caller, db: DbSession, resources: AppResources, data: FormData) -> Template:

@@ -207,3 +207,14 @@ def test_the_sdk_parse_helper_reads_the_answer_after_the_block(servers: dict[str
     message = parsed.choices[0].message
     assert isinstance(message.parsed, Legs)
     assert reasoning_of(message)
+
+
+def test_metrics_count_reasoning_tokens(servers: dict[str, Any]) -> None:
+    def counted() -> float:
+        text = httpx.get(f"{servers['url']}/metrics", timeout=30).text
+        line = next(line for line in text.splitlines() if line.startswith("loraplex_engine_reasoning_tokens_total"))
+        return float(line.split()[-1])
+
+    before = counted()
+    chat = ask(servers["url"], reasoning_effort="minimal")
+    assert counted() - before == chat.usage.completion_tokens_details.reasoning_tokens > 0
