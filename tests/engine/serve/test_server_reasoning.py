@@ -218,3 +218,34 @@ def test_metrics_count_reasoning_tokens(servers: dict[str, Any]) -> None:
     before = counted()
     chat = ask(servers["url"], reasoning_effort="minimal")
     assert counted() - before == chat.usage.completion_tokens_details.reasoning_tokens > 0
+
+
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+# A random model never writes a call by itself: a regex holds the answer after the block to one.
+CALL_REGEX = r'Checking\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{3,6}"\}\}</tool_call>'
+
+
+def test_tool_calls_are_read_from_the_answer_after_the_block(servers: dict[str, Any]) -> None:
+    ask: dict[str, Any] = {
+        "model": MODEL, "messages": MESSAGES, "tools": [WEATHER], "max_completion_tokens": 120, "temperature": 0,
+        "reasoning_effort": "minimal", "extra_body": {"guided_regex": CALL_REGEX},
+    }  # fmt: skip
+    chat = client(servers["url"]).chat.completions.create(**ask)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    [call] = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert reasoning_of(choice.message)
+    with client(servers["url"]).chat.completions.stream(**ask) as stream:
+        content = "".join(event.delta for event in stream if event.type == "content.delta")
+        final = stream.get_final_completion()
+    assert content == "Checking."
+    [streamed] = final.choices[0].message.tool_calls or []
+    assert streamed.function.arguments == call.function.arguments  # type: ignore[union-attr]
+    assert reasoning_of(final.choices[0].message) == reasoning_of(choice.message)
