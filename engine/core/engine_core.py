@@ -19,6 +19,7 @@ from loraplex.engine.core.draft_model import DraftModel, DraftModelProposer
 from loraplex.engine.core.output_processor import OutputProcessor
 from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.core.reasoning import Phase, ReasoningMarkers, ReasoningState
+from loraplex.engine.core.reasoning_config import ReasoningConfig
 from loraplex.engine.core.rejection_sampler import accepted_prefix
 from loraplex.engine.core.request import Request, RequestStatus
 from loraplex.engine.core.request_memory import RequestMemory
@@ -180,11 +181,8 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.eos_token_ids = self.tokenizer.eos_token_ids | self.model_config.eos_token_ids
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.reasoning = (
-            ReasoningMarkers.of(config.reasoning, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-            if config.reasoning is not None
-            else None
-        )
+        self.reasoning: ReasoningMarkers | None = None
+        self.set_reasoning(config.reasoning)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_batched_tokens = 0
@@ -293,6 +291,19 @@ class EngineCore:
         self.outputs.add(request)
         self.scheduler.add(request)
         return request
+
+    def set_reasoning(self, reasoning: ReasoningConfig | None) -> None:
+        """Serve the model as a reasoning model with these settings (None: as none) from the next request on; requests
+        already in the engine keep theirs. Unlike the engine's other settings, these need nothing but the tokenizer,
+        so an operator may change them without a restart (the platform does when an admin edits a base model)."""
+        markers = (
+            ReasoningMarkers.of(reasoning, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+            if reasoning is not None
+            else None
+        )
+        # Two reference swaps: a request checked in between sees one or the other, and either runs.
+        self.config = dataclasses.replace(self.config, reasoning=reasoning)
+        self.reasoning = markers
 
     def _reasoning_state(self, checked: CheckedPrompt) -> ReasoningState | None:
         """Where a reasoning request's think block starts (reasoning.py): read from its prompt."""

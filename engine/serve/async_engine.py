@@ -32,6 +32,7 @@ from typing import TypedDict, Unpack
 from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.engine_core import CheckedPrompt, EngineCore, EngineState
 from loraplex.engine.core.outputs import RequestOutput
+from loraplex.engine.core.reasoning_config import ReasoningConfig
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.errors import EngineError, EngineOverloaded
 from loraplex.engine.lora import AdapterError
@@ -338,6 +339,15 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError("the engine has failed; restart it") from self._error
         return await command.done
+
+    @property
+    def model_name(self) -> str:
+        """The name the engine serves its base model under."""
+        return self.core.served_model_name
+
+    def set_reasoning(self, reasoning: ReasoningConfig | None) -> None:
+        """Reasoning settings for the requests submitted from now on (EngineCore.set_reasoning)."""
+        self.core.set_reasoning(reasoning)
 
     async def abort(self, request_id: str) -> None:
         self._abort_soon(request_id)

@@ -255,6 +255,25 @@ def test_bad_reasoning_fields_are_400s_naming_them(
     assert error["type"] == "invalid_request_error"
 
 
+def test_a_patched_reasoning_config_reaches_the_embedded_engine_at_once(
+    platform: Platform, tenant: Tenant, forced: int
+) -> None:
+    path = f"/admin/base-models/{platform.base_model}"
+    try:
+        response = platform.admin("PATCH", path, json={"reasoning_config": None})
+        assert response.status_code == 200, response.text
+        chat = ask(platform, tenant, reasoning_effort="high")  # a tier is then only a hint for the template
+        assert reasoning_tokens(chat.usage) == 0 and reasoning_of(chat.choices[0].message) is None
+        tighter = REASONING.to_dict() | {"budgets": BUDGETS | {"high": 1}}
+        response = platform.admin("PATCH", path, json={"reasoning_config": tighter})
+        assert response.status_code == 200, response.text
+        chat = ask(platform, tenant, reasoning_effort="high")
+        assert reasoning_tokens(chat.usage) == 1 + forced
+    finally:
+        response = platform.admin("PATCH", path, json={"reasoning_config": REASONING.to_dict()})
+        assert response.status_code == 200, response.text
+
+
 # --- the console's playground ---------------------------------------------------------------------------------
 
 

@@ -38,6 +38,11 @@ async def update_base_model(db: AsyncSession, resources: Resources, name: str, d
     if "reasoning_config" in data.model_fields_set:
         row = await service.set_reasoning_config(name, data.reasoning_config)
     await db.commit()
+    embedded = resources.embedded_engine
+    if "reasoning_config" in data.model_fields_set and embedded is not None and embedded.model_name == row.name:
+        # Reasoning needs no restart: the in-process engine serves the new settings from its next request, so the
+        # budgets the platform now sends always meet an engine that can hold them.
+        embedded.set_reasoning(row.reasoning())
     return BaseModelOut.of(row)
 
 
@@ -62,8 +67,8 @@ class AdminBaseModelController(Controller):
 
     @patch(
         "/{name:path}",
-        summary="Set or clear a base model's speculative config or reasoning config (engines take them when they "
-        "start; reasoning budgets apply at once)",
+        summary="Set or clear a base model's speculative config (engines take it when they start) or reasoning "
+        "config (at once in the embedded engine; fleet engines take --reasoning-parser when they start)",
     )
     async def update(
         self, name: FromPath[str], data: JSONBody[BaseModelPatch], db: DbSession, resources: AppResources
