@@ -1,0 +1,78 @@
+"""Servers benchmarks/serve.py starts for a run of its own: today a loraplex engine (`--launch-engine`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLaunchError(RuntimeError):
+    """The engine exited or did not become healthy at start; the message names its log."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def launched_engine(
+    model_dir: Path,
+    loras: Sequence[str] = (),
+    *,
+    served_model_name: str | None = None,
+    engine_args: Sequence[str] = (),
+    startup_timeout_s: float = 300.0,
+) -> Iterator[str]:
+    """`loraplex engine serve --model model_dir` (with `--lora NAME=PATH` for each of `loras`) on a free local port;
+    yields its base URL once /healthz answers 200 and stops it (SIGTERM, then SIGKILL) on exit."""
+    port = _free_port()
+    cli = Path(sys.executable).with_name("loraplex")
+    command = [str(cli)] if cli.exists() else [sys.executable, "-m", "loraplex.platform.cli"]
+    command += ["engine", "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
+    for lora in loras:
+        command += ["--lora", lora]
+    if served_model_name is not None:
+        command += ["--served-model-name", served_model_name]
+    command += list(engine_args)
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile("w+b", prefix="loraplex-engine-", suffix=".log", delete=False) as log:
+        logger.info("starting %s (log: %s)", shlex.join(command), log.name)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + startup_timeout_s
+            while True:
+                if process.poll() is not None:
+                    raise EngineLaunchError(f"the engine exited with {process.returncode} at start; see {log.name}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise EngineLaunchError(
+                        f"the engine did not answer /healthz in {startup_timeout_s:g} s; see {log.name}"
+                    )
+                time.sleep(0.25)
+            logger.info("engine ready at %s", url)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    os.unlink(log.name)
