@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import json
 import os
@@ -34,41 +33,20 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
+from serve_launch import launched_engine  # a sibling: benchmarks/ is on sys.path when a script in it runs
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "platform_overhead.json"
+DEMO = REPO / "demo" / "model"
 MESSAGES = [{"role": "user", "content": 'Tell me about the "for" statement.'}]
 # The platform's steps, as named in its completions controller module, each timed per request.
 STEPS = ("resolve", "tenant_terms", "route", "engine_body", "_collect", "record_usage_soon")
-
-
-@contextlib.contextmanager
-def engine_server() -> Iterator[str]:
-    """`loraplex engine serve` of the demo model in a process of its own (float32, as the platform's embedded engine
-    serves it); yields its URL."""
-    port = _free_port()
-    command = [
-        str(Path(sys.executable).with_name("loraplex")),
-        "engine",
-        "serve",
-        "--model",
-        str(REPO / "demo" / "model"),
-    ]
-    command += ["--port", str(port), "--served-model-name", "loraplex-demo", "--dtype", "float32"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, process)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(30)
 
 
 def timed_steps(spans: dict[str, list[float]]) -> Callable[[], None]:
@@ -164,7 +142,8 @@ def run_setup(setup: str, requests: int, database_url: str | None, redis_url: st
     try:
         platform_url = f"http://127.0.0.1:{port}"
         _wait_healthy(platform_url, child)
-        with engine_server() as engine_url:
+        # The same model as the platform's embedded engine serves, in float32 as it does.
+        with launched_engine(DEMO, served_model_name="loraplex-demo", engine_args=["--dtype", "float32"]) as engine_url:
             figures = measure(platform_url, engine_url, admin, requests)
     finally:
         child.send_signal(signal.SIGINT)  # uvicorn shuts down; the child writes its spans
