@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from loraplex.engine.serve.chat_messages import ChatMessage
     from loraplex.engine.serve.cli import configure_logging, engine
     from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
-    from loraplex.engine.serve.protocol import RESERVED_TEMPLATE_VARIABLES, ChatMessage, completion_limit
+    from loraplex.engine.serve.protocol import RESERVED_TEMPLATE_VARIABLES, completion_limit
     from loraplex.engine.serve.registration import ENGINE_KEY, ENGINES_SET, FleetRecord, engine_record
     from loraplex.engine.serve.server import create_engine_app, serve
     from loraplex.engine.serve.tool_calls import NamedToolChoice, ToolDefinition
@@ -41,7 +42,7 @@ _WHERE = {
     "engine": "loraplex.engine.serve.cli",
     "GuardedRequest": "loraplex.engine.serve.http_edge",
     "refuse_nul_bytes": "loraplex.engine.serve.http_edge",
-    "ChatMessage": "loraplex.engine.serve.protocol",
+    "ChatMessage": "loraplex.engine.serve.chat_messages",
     "RESERVED_TEMPLATE_VARIABLES": "loraplex.engine.serve.protocol",
     "NamedToolChoice": "loraplex.engine.serve.tool_calls",
     "ToolDefinition": "loraplex.engine.serve.tool_calls",

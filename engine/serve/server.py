@@ -56,6 +56,7 @@ from loraplex.engine.serve.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from loraplex.engine.serve.registration import FleetRegistration, RegistrationConfig
+from loraplex.engine.serve.server_info import engine_state, model_card, model_cards
 from loraplex.engine.serve.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -241,11 +242,11 @@ class OpenAIController(Controller):
 
     @get("/models", summary="The base model and its LoRA adapters")
     async def models(self, serving: Serving) -> Response[bytes]:
-        return _json(serving.models())
+        return _json(model_cards(serving))
 
     @get("/models/{model_id:path}", summary="One model: the base model or a LoRA adapter (the SDK's models.retrieve)")
     async def model(self, model_id: str, serving: Serving) -> Response[bytes]:
-        return _json(serving.model(model_id.lstrip("/")))
+        return _json(model_card(serving, model_id.lstrip("/")))
 
     @post("/load_lora_adapter", status_code=200, summary="Validate a LoRA adapter and serve it under a name (vLLM's)")
     async def load_lora_adapter(self, data: JSONBody[LoadLoRAAdapterRequest], serving: Serving) -> Response[str]:
@@ -259,7 +260,7 @@ class OpenAIController(Controller):
 
     @get("/state", summary="Load and free capacity, for the platform's router")
     async def state(self, serving: Serving) -> dict[str, Any]:
-        return serving.state()
+        return engine_state(serving)
 
 
 def _text(message: str) -> Response[str]:

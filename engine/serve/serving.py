@@ -58,8 +58,6 @@ from loraplex.engine.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    ModelCard,
-    ModelList,
     Usage,
 )
 from loraplex.engine.serve.reasoning_parser import ReasoningStream
@@ -546,65 +544,6 @@ class OpenAIServing:
                 yield chunk([choice], job_usage(job, delta.sent) if continuous else None)
         if body.include_usage:
             yield chunk([], job_usage(job, finals))
-
-    # operations
-
-    def model(self, model_id: str) -> ModelCard:
-        """One card of `models()`; 404 model_not_found for a name it does not list."""
-        card = next((c for c in self.models().data if c.id == model_id), None)
-        if card is None:
-            raise ApiError(404, f"The model `{model_id[:256]}` does not exist.", code="model_not_found", param="model")
-        return card
-
-    def models(self) -> ModelList:
-        """The base model, then every registered adapter, as vLLM lists them."""
-        cards = [
-            ModelCard(
-                id=self.model_name,
-                created=self.created,
-                root=str(self.engine.core.config.model),
-                max_model_len=self.max_model_len,
-            )
-        ]
-        for registered in self.loras.adapters():
-            cards.append(
-                ModelCard(
-                    id=registered.ref.name,
-                    created=registered.created,
-                    root=registered.ref.source,
-                    parent=self.model_name,
-                    max_model_len=self.max_model_len,
-                )
-            )
-        return ModelList(data=cards)
-
-    def state(self) -> dict[str, Any]:
-        state = self.engine.state()
-        pool = state.pool
-        return {
-            "model": self.model_name,
-            "max_model_len": self.max_model_len,
-            "healthy": self.engine.is_healthy,
-            "num_waiting": state.num_waiting,
-            "num_running": state.num_running,
-            "num_preemptions": state.num_preemptions,
-            "num_steps": state.num_steps,
-            "weight_bytes": state.weight_bytes,
-            "quantization": state.quantization,
-            "pool": {
-                "num_pages": pool.num_pages,
-                "num_free": pool.num_free,
-                "page_bytes": pool.page_bytes,
-                "by_kind": dict(pool.by_kind),
-                "num_evictable": pool.num_evictable,
-            },
-            "prefix_cache": {
-                "blocks": state.prefix_cache_blocks,
-                "queried_tokens": state.prefix_cache_queried_tokens,
-                "hit_tokens": state.prefix_cache_hit_tokens,
-            },
-            "adapters": self.loras.report(),
-        }
 
 
 __all__ = ["Job", "OpenAIServing"]
