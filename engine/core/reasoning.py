@@ -27,6 +27,9 @@ from dataclasses import dataclass, replace
 
 from loraplex.engine.core.reasoning_config import THINK_END, THINK_START, ReasoningConfig
 
+# How many of a prompt's last tokens `ReasoningMarkers.initial_phase` reads.
+PROMPT_TAIL = 64
+
 
 class Phase(enum.IntEnum):
     OPENING = 0
@@ -58,13 +61,16 @@ class ReasoningMarkers:
         """Where a request with this prompt starts: THINKING when the prompt left a think block open (a template
         that opens it), DONE when the prompt ends with a closed one (Qwen3's `enable_thinking: false`), else the
         parser's reading of an output that starts without one: qwen3 may open it (OPENING), deepseek_r1's output is
-        reasoning from its first token."""
-        last_start = _last_index(prompt_token_ids, self.start_ids)
-        last_end = _last_index(prompt_token_ids, self.end_ids)
+        reasoning from its first token. Only the prompt's last PROMPT_TAIL tokens are read: a template opens or
+        closes the block right after the generation prompt, and a marker further back is an earlier turn's (this
+        runs on the engine thread, once per request, however long the prompt)."""
+        tail = prompt_token_ids[-PROMPT_TAIL:]
+        last_start = _last_index(tail, self.start_ids)
+        last_end = _last_index(tail, self.end_ids)
         if last_start > last_end:
             return Phase.THINKING
         if last_end >= 0:
-            after = prompt_token_ids[last_end + len(self.end_ids) :]
+            after = tail[last_end + len(self.end_ids) :]
             if not after or not decode(after).strip():
                 return Phase.DONE
         return Phase.OPENING if self.parser == "qwen3" else Phase.THINKING

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from loraplex.engine.core.outputs import ReasoningOutput
-from loraplex.engine.core.reasoning import Phase, ReasoningMarkers, ReasoningState
+from loraplex.engine.core.reasoning import PROMPT_TAIL, Phase, ReasoningMarkers, ReasoningState
 from loraplex.engine.core.reasoning_config import (
     DEFAULT_REASONING_BUDGETS,
     ReasoningConfig,
     format_reasoning_budgets,
     parse_reasoning_budgets,
 )
-from loraplex.engine.serve.reasoning_parser import ReasoningStream, split
+from loraplex.engine.serve.reasoning_parser import ReasoningSplit, ReasoningStream, split
 
 pytestmark = pytest.mark.unit
 
@@ -77,6 +77,8 @@ class TestPhases:
         assert phase(r1, [5, 5]) is Phase.THINKING  # R1 reasons from its first token, marker or not
         assert phase(MULTI, [5, 1, 3, 6]) is Phase.THINKING
         assert phase(MULTI, [5, 1, 3, 1, 4, 3, 6]) is Phase.DONE
+        # Only the prompt's tail counts: a block opened far back is an earlier turn's text.
+        assert phase(SINGLE, [5, 1, *[5] * PROMPT_TAIL]) is Phase.OPENING
 
     def test_a_block_the_model_closes_itself_is_counted_with_its_markers(self) -> None:
         state = run(ReasoningState.start(SINGLE, 10, Phase.OPENING), [1, 5, 5, 2])
@@ -128,7 +130,6 @@ class TestSplit:
     def test_markers_and_the_whitespace_around_them_are_dropped(self) -> None:
         text = "<think>\nLet me see.\n</think>\n\nThe answer."
         end = text.index("\n\nThe")
-        assert split(text, ReasoningOutput(9, end)) == split(text, ReasoningOutput(9, end))
         parts = split(text, ReasoningOutput(9, end))
         assert (parts.reasoning, parts.content) == ("Let me see.", "The answer.")
         # A block the template opened in the prompt has no opening marker in the output.
@@ -138,8 +139,8 @@ class TestSplit:
         assert split(" <b>hi</b>", ReasoningOutput(0, 0)).content == " <b>hi</b>"
         assert split("hi", None).reasoning is None
         assert split("</think>\n\nAnswer", ReasoningOutput(1, 8)).reasoning is None  # closed at once: none
-        assert split("still thinking", ReasoningOutput(3, None)) == split("still thinking", ReasoningOutput(3, None))
-        assert split("still thinking", ReasoningOutput(3, None)).content == ""
+        # Cut off inside its block (a length limit): all of it is reasoning, and there is no answer.
+        assert split("still thinking", ReasoningOutput(3, None)) == ReasoningSplit("still thinking", "")
 
     @pytest.mark.parametrize("cut", [1, 2, 3, 5, 7])
     def test_streamed_pieces_add_up_to_the_whole(self, cut: int) -> None:
