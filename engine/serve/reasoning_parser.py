@@ -26,22 +26,52 @@ class ReasoningSplit:
     content: str
 
 
-def _reasoning_text(block: str, *, closed: bool) -> str:
-    """The visible reasoning of a block's text so far; while the block is open, the tail that may still become the
-    end marker (or is whitespace the end may drop) is held back."""
-    text = block.lstrip()
-    if text.startswith(THINK_START):
-        text = text[len(THINK_START) :].lstrip()
-    elif THINK_START.startswith(text):
-        return ""  # the opening marker may still be arriving
+def _skip_space(text: str, index: int, stop: int) -> int:
+    while index < stop and text[index].isspace():
+        index += 1
+    return index
+
+
+def _back_over_space(text: str, index: int, floor: int) -> int:
+    while index > floor and text[index - 1].isspace():
+        index -= 1
+    return index
+
+
+def _visible_start(text: str, stop: int, *, closed: bool) -> int | None:
+    """Where the visible reasoning of the block text[:stop] begins: past leading whitespace, the opening marker and
+    the whitespace after it. None while that is not known yet (only whitespace, or part of the marker, so far)."""
+    index = _skip_space(text, 0, stop)
+    if text.startswith(THINK_START, index, stop):
+        after = _skip_space(text, index + len(THINK_START), stop)
+        return after if after < stop or closed else None
+    if stop - index < len(THINK_START) and THINK_START.startswith(text[index:stop]):
+        return stop if closed else None  # the opening marker may still be arriving
+    return index
+
+
+def _visible_end(text: str, begin: int, stop: int, *, closed: bool) -> int:
+    """Where the visible reasoning of the block text[:stop] ends: before the end marker and the whitespace around it;
+    while the block is open, before a tail that may still become the end marker, and before trailing whitespace
+    (which the end may drop)."""
+    end = stop
     if closed:
-        text = text.rstrip()
-        return text.removesuffix(THINK_END).rstrip()
-    for length in range(min(len(THINK_END) - 1, len(text)), 0, -1):
-        if text.endswith(THINK_END[:length]):
-            text = text[:-length]
+        end = _back_over_space(text, end, begin)
+        if end - begin >= len(THINK_END) and text.startswith(THINK_END, end - len(THINK_END), end):
+            end -= len(THINK_END)
+        return _back_over_space(text, end, begin)
+    for length in range(min(len(THINK_END) - 1, end - begin), 0, -1):
+        if text.startswith(THINK_END[:length], end - length, end):
+            end -= length
             break
-    return text.rstrip()
+    return _back_over_space(text, end, begin)
+
+
+def _reasoning_of(text: str, stop: int) -> str | None:
+    """The reasoning of the closed block text[:stop]; None when it shows nothing."""
+    begin = _visible_start(text, stop, closed=True)
+    assert begin is not None  # a closed block's start is always known
+    return text[begin : _visible_end(text, begin, stop, closed=True)] or None
 
 
 def split(text: str, reasoning: ReasoningOutput | None) -> ReasoningSplit:
@@ -49,17 +79,18 @@ def split(text: str, reasoning: ReasoningOutput | None) -> ReasoningSplit:
     if reasoning is None or reasoning.end == 0 or reasoning.deciding:
         return ReasoningSplit(None, text)
     if reasoning.end is None:  # the output ended inside its block (a length limit): all of it is reasoning
-        return ReasoningSplit(_reasoning_text(text, closed=True) or None, "")
-    return ReasoningSplit(_reasoning_text(text[: reasoning.end], closed=True) or None, text[reasoning.end :].lstrip())
+        return ReasoningSplit(_reasoning_of(text, len(text)), "")
+    return ReasoningSplit(_reasoning_of(text, reasoning.end), text[reasoning.end :].lstrip())
 
 
 class ReasoningStream:
-    """Splits a streamed chat output into reasoning and content deltas that add up to `split` of the whole."""
+    """Splits a streamed chat output into reasoning and content deltas that add up to `split` of the whole. Each
+    call looks only at what is new and at the edges (the markers, whitespace): positions are kept, never a copy of
+    the text so far, so a long think block costs each delta its own length."""
 
     def __init__(self) -> None:
         self._sent_reasoning = 0  # characters of visible reasoning sent
-        self._content_started = False
-        self._sent_content = 0  # characters of the text after the block already sent (or dropped as leading space)
+        self._content_sent: int | None = None  # where in the text the content sent so far ends; None before any
 
     def feed(self, text: str, reasoning: ReasoningOutput | None, *, finished: bool) -> tuple[str, str]:
         """(reasoning delta, content delta), given the output's whole text so far and its ReasoningOutput."""
@@ -68,27 +99,27 @@ class ReasoningStream:
         if reasoning.deciding and not finished:
             return "", ""
         end = reasoning.end
-        if end is None and not finished:
-            return self._reasoning(_reasoning_text(text, closed=False)), ""
-        if end == 0 or (reasoning.deciding and finished):
+        if end == 0 or reasoning.deciding:
             return "", self._content(text, 0, stripped=False)
-        block = text if end is None else text[:end]
-        out = self._reasoning(_reasoning_text(block, closed=True))
-        return out, ("" if end is None else self._content(text, end, stripped=True))
+        closed = end is not None or finished
+        thought = self._reasoning(text, len(text) if end is None else end, closed=closed)
+        return thought, ("" if end is None else self._content(text, end, stripped=True))
 
-    def _reasoning(self, visible: str) -> str:
-        out = visible[self._sent_reasoning :]
-        self._sent_reasoning = max(self._sent_reasoning, len(visible))
-        return out
+    def _reasoning(self, text: str, stop: int, *, closed: bool) -> str:
+        begin = _visible_start(text, stop, closed=closed)
+        if begin is None:
+            return ""
+        end = _visible_end(text, begin, stop, closed=closed)
+        sent = begin + self._sent_reasoning
+        self._sent_reasoning = max(self._sent_reasoning, end - begin)
+        return text[sent:end] if end > sent else ""
 
     def _content(self, text: str, start: int, *, stripped: bool) -> str:
-        rest = text[start:]
-        if stripped and not self._content_started:
-            body = rest.lstrip()
-            if not body:
+        if self._content_sent is None:
+            begin = _skip_space(text, start, len(text)) if stripped else start
+            if stripped and begin == len(text):
                 return ""  # only whitespace after the block so far: it is dropped if nothing else follows it
-            self._sent_content = len(rest) - len(body)
-        self._content_started = True
-        out = rest[self._sent_content :]
-        self._sent_content = len(rest)
+            self._content_sent = begin
+        out = text[self._content_sent :]
+        self._content_sent = len(text)
         return out

@@ -4,6 +4,8 @@ server makes of it (serve.reasoning_parser): phases, budgets, forced closing, ma
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from loraplex.engine.core.outputs import ReasoningOutput
 from loraplex.engine.core.reasoning import PROMPT_TAIL, Phase, ReasoningMarkers, ReasoningState
@@ -156,3 +158,34 @@ class TestSplit:
             reasoning, content = reasoning + r, content + c
         whole = split(text, ReasoningOutput(0, end))
         assert (reasoning, content) == (whole.reasoning, whole.content)
+
+
+PIECES = ["<think>", "</think>", "\n", " ", "a", "b.", "<", "</", "th", "ink>"]
+
+
+@given(
+    pieces=st.lists(st.sampled_from(PIECES), max_size=30),
+    answer=st.lists(st.sampled_from(PIECES), max_size=10),
+    cuts=st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=60),
+    closes=st.booleans(),
+)
+def test_any_streaming_of_any_block_adds_up_to_the_whole(
+    pieces: list[str], answer: list[str], cuts: list[int], closes: bool
+) -> None:
+    block = "".join(pieces) + ("</think>" if closes else "")
+    text = block + ("".join(answer) if closes else "")
+    end = len(block) if closes else None
+    stream = ReasoningStream()
+    reasoning = content = ""
+    stop = 0
+    for cut in [*cuts, len(text)]:
+        stop = min(len(text), stop + cut)
+        finished = stop == len(text)
+        r, c = stream.feed(
+            text[:stop], ReasoningOutput(0, end if end is not None and stop >= end else None), finished=finished
+        )
+        reasoning, content = reasoning + r, content + c
+        if finished:
+            break
+    whole = split(text, ReasoningOutput(0, end))
+    assert (reasoning or None, content) == (whole.reasoning, whole.content)
