@@ -26,7 +26,6 @@ import os
 import platform as host
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from typing import Any
 
 import httpx
 import uvicorn
-from serve_launch import launched_engine  # a sibling: benchmarks/ is on sys.path when a script in it runs
+from serve_launch import free_port, launched_engine  # a sibling: benchmarks/ is on sys.path when a script in it runs
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "platform_overhead.json"
@@ -135,7 +134,7 @@ def run_setup(setup: str, requests: int, database_url: str | None, redis_url: st
             "LORAPLEX_REDIS_PREFIX": f"overhead-{database}:",
             "LORAPLEX_SECRET_KEY": secrets.token_urlsafe(32),
         }
-    port = _free_port()
+    port = free_port()
     spans_file = data_dir / "spans.json"
     command = [sys.executable, __file__, "--child", str(port), str(spans_file)]
     child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -196,13 +195,6 @@ def child(port: int, spans_file: Path) -> None:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
     finally:
         spans_file.write_text(json.dumps(spans))
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[bytes]) -> None:

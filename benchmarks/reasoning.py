@@ -57,7 +57,6 @@ MAX_TOKENS = 128
 def tiers() -> dict[str, Any]:
     config = ReasoningConfig(parser="qwen3", budgets=DEMO_BUDGETS, default_effort="medium")
     llm = LLM(str(DEMO), reasoning=config, kv_budget=2**26)
-    tokenizer = llm.get_tokenizer()
     think = LoRARequest("think", str(THINK_DIR))
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     out: dict[str, Any] = {}
@@ -88,7 +87,6 @@ def tiers() -> dict[str, Any]:
             f"at budget {forced}/{len(results)}, ${figures['usd_per_1k_requests']:.4f} per 1k requests",
             flush=True,
         )
-    del tokenizer
     return out
 
 

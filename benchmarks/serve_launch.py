@@ -23,7 +23,7 @@ class EngineLaunchError(RuntimeError):
     """The engine exited or did not become healthy at start; the message names its log."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -40,7 +40,7 @@ def launched_engine(
 ) -> Iterator[str]:
     """`loraplex engine serve --model model_dir` (with `--lora NAME=PATH` for each of `loras`) on a free local port;
     yields its base URL once /healthz answers 200 and stops it (SIGTERM, then SIGKILL) on exit."""
-    port = _free_port()
+    port = free_port()
     cli = Path(sys.executable).with_name("loraplex")
     command = [str(cli)] if cli.exists() else [sys.executable, "-m", "loraplex.platform.cli"]
     command += ["engine", "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]

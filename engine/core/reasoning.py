@@ -46,8 +46,6 @@ class ReasoningMarkers:
     start_ids: tuple[int, ...]
     end_ids: tuple[int, ...]
     closing_ids: tuple[int, ...]  # the closing text, forced before the end marker when a budget runs out
-    start_text: str = THINK_START
-    end_text: str = THINK_END
 
     @classmethod
     def of(cls, config: ReasoningConfig, encode: Callable[[str], list[int]]) -> ReasoningMarkers:
@@ -157,12 +155,6 @@ class ReasoningState:
             if matched == len(self.forced_ids):
                 phase, matched = Phase.DONE, 0
         return replace(self, phase=phase, matched=matched, num_tokens=num_tokens)._checked()
-
-    def after_all(self, token_ids: Sequence[int]) -> ReasoningState:
-        state = self
-        for token_id in token_ids:
-            state = state.after(token_id)
-        return state
 
     def _checked(self) -> ReasoningState:
         """A thinking row that has spent its budget starts closing."""

@@ -26,7 +26,9 @@ MULTI = ReasoningMarkers("qwen3", (1, 3), (1, 4, 3), (9,))
 
 
 def run(state: ReasoningState, tokens: list[int]) -> ReasoningState:
-    return state.after_all(tokens)
+    for token in tokens:
+        state = state.after(token)
+    return state
 
 
 class TestConfig:
