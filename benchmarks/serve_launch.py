@@ -1,4 +1,5 @@
-"""Servers benchmarks/serve.py starts for a run of its own: today a loraplex engine (`--launch-engine`)."""
+"""Servers a benchmark starts for a run of its own: a loraplex engine (serve.py's `--launch-engine`), or any server
+command that answers /healthz (the suite's peers)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineLaunchError(RuntimeError):
-    """The engine exited or did not become healthy at start; the message names its log."""
+    """The engine (or another launched server) exited or did not become healthy at start; the message names its log."""
 
 
 def free_port() -> int:
@@ -49,24 +50,35 @@ def launched_engine(
     if served_model_name is not None:
         command += ["--served-model-name", served_model_name]
     command += list(engine_args)
+    with launched_server(command, port, name="engine", startup_timeout_s=startup_timeout_s) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def launched_server(
+    command: Sequence[str], port: int, *, name: str = "server", startup_timeout_s: float = 300.0
+) -> Iterator[str]:
+    """Run `command`, a server that listens on 127.0.0.1:`port` (the engine, or a peer such as
+    benchmarks/naive_server.py); yields its base URL once /healthz answers 200 and stops it (SIGTERM, then SIGKILL)
+    on exit. Its output goes to a temporary log, kept and named in the error when it fails to start."""
     url = f"http://127.0.0.1:{port}"
-    with tempfile.NamedTemporaryFile("w+b", prefix="loraplex-engine-", suffix=".log", delete=False) as log:
+    with tempfile.NamedTemporaryFile("w+b", prefix=f"loraplex-{name}-", suffix=".log", delete=False) as log:
         logger.info("starting %s (log: %s)", shlex.join(command), log.name)
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + startup_timeout_s
             while True:
                 if process.poll() is not None:
-                    raise EngineLaunchError(f"the engine exited with {process.returncode} at start; see {log.name}")
+                    raise EngineLaunchError(f"the {name} exited with {process.returncode} at start; see {log.name}")
                 with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
                         break
                 if time.monotonic() > deadline:
                     raise EngineLaunchError(
-                        f"the engine did not answer /healthz in {startup_timeout_s:g} s; see {log.name}"
+                        f"the {name} did not answer /healthz in {startup_timeout_s:g} s; see {log.name}"
                     )
                 time.sleep(0.25)
-            logger.info("engine ready at %s", url)
+            logger.info("%s ready at %s", name, url)
             yield url
         finally:
             process.terminate()
