@@ -255,9 +255,14 @@ async def run_trace(
 
 
 def run_with_progress(
-    trace: Sequence[Conversation], target: Target, *, concurrency: int | None, console: Console
+    trace: Sequence[Conversation],
+    target: Target,
+    *,
+    concurrency: int | None,
+    console: Console,
+    description: str = "requests",
 ) -> RunResult:
-    """`run_trace` with a progress bar of requests answered (rich)."""
+    """`run_trace` with a progress bar of requests answered (rich), labelled `description`."""
     columns = (
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -266,7 +271,7 @@ def run_with_progress(
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("requests", total=num_turns(trace), errors=0)
+        task = progress.add_task(description, total=num_turns(trace), errors=0)
         errors = 0
 
         def on_record(record: RequestRecord) -> None:
@@ -460,9 +465,14 @@ def result_document(
             "python": platform.python_version(),
         },
         "server": {"base_url": base_url, "models": models},
-        "summary": dataclasses.asdict(summary),
+        "summary": summary_document(summary),
         "requests": records,
     }
+
+
+def summary_document(summary: Summary) -> dict[str, Any]:
+    """A run's summary as result files hold it (this one's and the suite's): latencies in ms, the SLO, the errors."""
+    return dataclasses.asdict(summary)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
