@@ -47,15 +47,17 @@ FIXED_POOL_BYTES = 256 * 2**20
 PAGE_ELEMS = 2 * 4 * 16 * 64  # the benchmark model's KV block (k and v, 4 KV heads, 16 tokens, head_dim 64)
 
 
-def adapter_ranks(seed: int = 0) -> list[int]:
-    """The rank of each of the NUM_ADAPTERS adapters."""
+def adapter_ranks(seed: int = 0, count: int = NUM_ADAPTERS) -> list[int]:
+    """The rank of each of `count` adapters (this benchmark's NUM_ADAPTERS by default)."""
     rng = random.Random(seed)
-    return [rng.choice(RANKS) for _ in range(NUM_ADAPTERS)]
+    return [rng.choice(RANKS) for _ in range(count)]
 
 
-def make_adapters(root: Path, config: ModelConfig, seed: int = 0) -> list[tuple[str, Path, int]]:
+def make_adapters(
+    root: Path, config: ModelConfig, seed: int = 0, count: int = NUM_ADAPTERS
+) -> list[tuple[str, Path, int]]:
     adapters = []
-    for i, rank in enumerate(adapter_ranks(seed)):
+    for i, rank in enumerate(adapter_ranks(seed, count)):
         path = write_random_adapter(root / f"adapter-{i:02d}", config, rank=rank, seed=i, init_std=0.02)
         adapters.append((f"adapter-{i:02d}", path, rank))
     return adapters
@@ -109,7 +111,7 @@ def run_peft(
     results: dict[str, Any] = {}
     for batch_size in sizes:
         start = time.perf_counter()
-        for first in range(0, NUM_REQUESTS, batch_size):
+        for first in range(0, len(workload.prompts), batch_size):
             prompts = workload.prompts[first : first + batch_size]
             outs = workload.max_tokens[first : first + batch_size]
             names = [adapters[owners[i]][0] for i in range(first, first + len(prompts))]
@@ -135,27 +137,42 @@ def run_peft(
     return {"by_batch_size": results, "best_batch_size": int(best), "best_tokens_per_s": results[best]["tokens_per_s"]}
 
 
-def residency(config: ModelConfig, adapters: list[tuple[str, Path, int]], owners: list[int]) -> dict[str, Any]:
-    """Adapters that fit in FIXED_POOL_BYTES, most popular first: pages per rank vs all padded to the max rank."""
-    page_bytes = config.num_layers * PAGE_ELEMS * 4
-    pages = {}
-    for name, path, _ in adapters:
-        adapter = parse_adapter(*read_adapter_dir(path), config)
-        pages[name] = layout_adapter(adapter, config, PAGE_ELEMS).num_pages
-    by_popularity = sorted(range(NUM_ADAPTERS), key=lambda i: -owners.count(i))
-    budget = FIXED_POOL_BYTES // page_bytes
+def adapter_pages(config: ModelConfig, path: Path) -> int:
+    """Pool pages the adapter at `path` takes in the engine's layout (pages in proportion to its rank)."""
+    adapter = parse_adapter(*read_adapter_dir(path), config)
+    return layout_adapter(adapter, config, PAGE_ELEMS).num_pages
+
+
+def page_bytes(config: ModelConfig) -> int:
+    """Bytes of one pool page over all layers (float32)."""
+    return config.num_layers * PAGE_ELEMS * 4
+
+
+def fit_in_pool(pages: list[int], max_pages: int, budget_pages: int) -> tuple[int, int]:
+    """How many of the adapters of `pages` (pages each, most popular first) a pool of `budget_pages` holds: taken in
+    order while the next fits, with pages in proportion to rank; and with each padded to `max_pages` (the largest
+    rank's)."""
     used = fitted = 0
-    for index in by_popularity:
-        need = pages[adapters[index][0]]
-        if used + need > budget:
+    for need in pages:
+        if used + need > budget_pages:
             break
         used, fitted = used + need, fitted + 1
+    return fitted, min(len(pages), budget_pages // max_pages)
+
+
+def residency(config: ModelConfig, adapters: list[tuple[str, Path, int]], owners: list[int]) -> dict[str, Any]:
+    """Adapters that fit in FIXED_POOL_BYTES, most popular first: pages per rank vs all padded to the max rank."""
+    pages = {name: adapter_pages(config, path) for name, path, _ in adapters}
+    by_popularity = sorted(range(NUM_ADAPTERS), key=lambda i: -owners.count(i))
     padded_pages = max(pages[name] for name, _, rank in adapters if rank == max(RANKS))
+    fitted, padded = fit_in_pool(
+        [pages[adapters[i][0]] for i in by_popularity], padded_pages, FIXED_POOL_BYTES // page_bytes(config)
+    )
     return {
         "pool_bytes": FIXED_POOL_BYTES,
         "pages_by_rank": {str(r): next(pages[n] for n, _, rank in adapters if rank == r) for r in RANKS},
         "resident_rank_proportional": fitted,
-        "resident_padded_to_max_rank": min(NUM_ADAPTERS, budget // padded_pages),
+        "resident_padded_to_max_rank": padded,
     }
 
 
