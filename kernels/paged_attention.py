@@ -32,6 +32,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels import native
+
 try:
     import triton  # type: ignore[import-untyped]
     import triton.language as tl  # type: ignore[import-untyped]
@@ -69,18 +71,11 @@ def paged_attention(
     `max_query_len` and `max_seq_len` are host ints (upper bounds are fine) so that no path has to read a
     device tensor to size its work. Returns `out` (allocated when not given), dtype of `q`.
     """
-    fn = paged_attention_triton if q.is_cuda else paged_attention_torch
-    return fn(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale=scale,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        out=out,
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    if q.is_cuda:
+        return paged_attention_triton(*args, scale=scale, max_query_len=max_query_len, max_seq_len=max_seq_len, out=out)
+    return paged_attention_torch(
+        *args, scale=scale, max_query_len=max_query_len, max_seq_len=max_seq_len, out=out, native=native.load()
     )
 
 
@@ -156,8 +151,12 @@ def paged_attention_torch(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], q's dtype
+    native: bool = False,
 ) -> torch.Tensor:
     """The vectorized torch path that CPU serving runs; same semantics as the module docstring.
+
+    native: decode rows of float32 go to the native operator (kernels/native.py; the caller checked it is loaded),
+    which reads K and V in place in one pass instead of gathering them; everything else stays in torch.
 
     Decode sequences (q_len == 1) run together in one ragged pass over only the blocks they use. The other
     sequences run in a few padded scaled_dot_product_attention calls, each over sequences of similar query
@@ -174,13 +173,14 @@ def paged_attention_torch(
     q_lens = query_start_loc[1:].long() - starts
     ctx_lens = seq_lens.long()
     max_blocks = min(block_tables.shape[1], math.ceil(max_seq_len / k_cache.shape[2]))
+    decode = _decode_native if native and _native_fits(q, k_cache, v_cache, out) else _decode
     if max_query_len == 1:
-        _decode(q, k_cache, v_cache, block_tables, ctx_lens, starts, scale, max_blocks, out)
+        decode(q, k_cache, v_cache, block_tables, ctx_lens, starts, scale, max_blocks, out)
         return out
     is_decode = q_lens == 1
     decode_ids = torch.nonzero(is_decode).squeeze(1)
     if decode_ids.numel() > 0:
-        _decode(
+        decode(
             q,
             k_cache,
             v_cache,
@@ -288,6 +288,34 @@ def _decode(
     acc = torch.zeros(n, num_kv_heads, group, head_dim, device=device).index_add_(0, owner, partial)
     acc.div_(denom[..., None])
     out.index_copy_(0, tokens, acc.view(n, -1, head_dim).to(out.dtype))
+
+
+def _native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the native decode operator takes these tensors: float32, `out` contiguous, each page's
+    [kv_heads, block_size, head_dim] contiguous (the pool's K and V views are)."""
+    if any(t.dtype != torch.float32 for t in (q, k_cache, v_cache, out)) or not out.is_contiguous():
+        return False
+    _, _, block_size, head_dim = k_cache.shape
+    inner = (block_size * head_dim, head_dim, 1)
+    return k_cache.stride()[1:] == inner and v_cache.stride()[1:] == inner
+
+
+def _decode_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    tokens: torch.Tensor,
+    scale: float,
+    max_blocks: int,
+    out: torch.Tensor,
+) -> None:
+    """_decode's arguments, computed by the native operator (torch.ops.loraplex_cpu.decode_attention)."""
+    del max_blocks  # the operator reads each sequence's own block count
+    torch.ops.loraplex_cpu.decode_attention(
+        q.contiguous(), k_cache, v_cache, block_tables.contiguous(), ctx_lens, tokens, scale, out
+    )
 
 
 def _prefill_bucket(

@@ -21,7 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from loraplex.kernels import paged_attention as pa  # noqa: E402  (after TRITON_INTERPRET, see above)
+from loraplex.kernels import native  # noqa: E402  (after TRITON_INTERPRET, see above)
+from loraplex.kernels import paged_attention as pa  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -205,7 +206,7 @@ class TestTorchPath:
 
     def test_dispatch_uses_torch_path_for_cpu_tensors(self) -> None:
         batch = make_batch(MIXED)
-        expected = pa.paged_attention_torch(*batch.args(), **batch.kwargs())
+        expected = pa.paged_attention_torch(*batch.args(), **batch.kwargs(), native=native.load())
         torch.testing.assert_close(pa.paged_attention(*batch.args(), **batch.kwargs()), expected, atol=0, rtol=0)
 
     def test_empty_batch(self) -> None:
@@ -222,6 +223,55 @@ class TestTorchPath:
             max_seq_len=0,
         )
         assert pa.paged_attention_torch(*empty.args(), **empty.kwargs()).shape == (0, *batch.q.shape[1:])
+
+
+def require_native() -> None:
+    if not native.load():
+        pytest.fail(
+            "the native CPU operators are not built: `make` builds them (python -m loraplex.kernels.native)",
+            pytrace=False,
+        )
+
+
+class TestNativeDecode:
+    """Decode rows through the native operator (kernels/native/cpu_ops.cpp); prefill rows stay in torch."""
+
+    @pytest.mark.parametrize(("group", "block_size"), [(g, b) for g in (1, 2, 4) for b in (16, 32)])
+    def test_mixed_batch_sweep(self, group: int, block_size: int) -> None:
+        require_native()
+        batch = make_batch(MIXED, num_heads=2 * group, block_size=block_size)
+        assert_matches(pa.paged_attention_torch(*batch.args(), **batch.kwargs(), native=True), batch)
+
+    # 64 and 128 take the vector path in 64-column runs, 40 in runs of 8, 36 (not a multiple of 8) the scalar loops.
+    @pytest.mark.parametrize("head_dim", [36, 40, 64, 128])
+    def test_head_dims(self, head_dim: int) -> None:
+        require_native()
+        batch = make_batch([*DECODE, (1, 200), (1, 9)], num_heads=8, num_kv_heads=2, head_dim=head_dim)
+        assert_matches(pa.paged_attention_torch(*batch.args(), **batch.kwargs(), native=True), batch)
+
+    def test_strided_pool_and_query(self) -> None:
+        require_native()
+        batch = make_batch(DECODE, strided=True)
+        assert_matches(pa.paged_attention_torch(*batch.args(), **batch.kwargs(), native=True), batch)
+
+    def test_many_sequences_split_over_threads(self) -> None:
+        require_native()  # past the operator's inline threshold: runs of sequences go to torch's threads
+        layout = [(1, 1 + (37 * i) % 300) for i in range(48)]
+        batch = make_batch(layout, num_heads=8, num_kv_heads=4, head_dim=64)
+        assert_matches(pa.paged_attention_torch(*batch.args(), **batch.kwargs(), native=True), batch)
+
+    def test_dispatch_takes_the_native_operator(self) -> None:
+        require_native()
+        batch = make_batch(DECODE, num_heads=8, num_kv_heads=2, head_dim=64)
+        expected = pa.paged_attention_torch(*batch.args(), **batch.kwargs(), native=True)
+        torch.testing.assert_close(pa.paged_attention(*batch.args(), **batch.kwargs()), expected, atol=0, rtol=0)
+
+    def test_rejects_a_page_outside_the_pool(self) -> None:
+        require_native()
+        batch = make_batch(DECODE)
+        batch.block_tables[2, 0] = batch.k_cache.shape[0] + 5
+        with pytest.raises(RuntimeError, match="page id"):
+            pa.paged_attention_torch(*batch.args(), **batch.kwargs(), native=True)
 
 
 class TestTritonKernel:
