@@ -15,6 +15,7 @@ import torch
 
 from loraplex.engine.lora.layout import GROUPS
 from loraplex.engine.lora.manager import AdapterEntry, AdapterManager
+from loraplex.kernels import native
 from loraplex.kernels.sgmv import sgmv_expand, sgmv_shrink
 
 # Steps whose adapter segments are all at most this long run LoRA on one thread (see LoraCompute.add).
@@ -39,6 +40,15 @@ class LoraBatch:
     seg_starts: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))  # [segments + 1]
     seg_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # [segments]
     longest: int = 0  # rows of the longest adapter segment
+    # (start, end, slot) of the adapter segments as an int64 [k, 3] tensor: the native operator's input, made on
+    # first use and shared by every layer of the step.
+    _adapter_segments: torch.Tensor | None = None
+
+    def adapter_segments(self) -> torch.Tensor:
+        if self._adapter_segments is None:
+            rows = [segment for segment in self.host if segment[2] >= 0]
+            self._adapter_segments = torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+        return self._adapter_segments
 
     def __bool__(self) -> bool:
         return any(segment.adapter is not None for segment in self.segments)
@@ -90,6 +100,11 @@ class _GroupTable:
     ranks: torch.Tensor  # [num_slots] int32: the group's total rank per slot (0: untouched)
     max_rank: int
     modules: tuple[_ModuleTable, ...]
+    # The same tables as the native operator reads them (host int64): ranks [num_slots], each module's output
+    # columns [modules, 2], and per module and slot (b_offset, rank, first column of h) [modules, num_slots, 3].
+    native_ranks: torch.Tensor
+    native_outputs: torch.Tensor
+    native_modules: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +132,8 @@ class LoraCompute:
         self._tables: dict[tuple[int, str], _GroupTable] = {}
         self._page_table = torch.zeros(0, 0, dtype=torch.int32)
         self._bases: list[int | None] = []
+        self._native = device.type == "cpu" and adapters.pool.storage[0].dtype == torch.float32 and native.load()
+        self._native_bases = torch.zeros(0, dtype=torch.int64)  # self._bases as int64, -1 for None
 
     def add(self, batch: LoraBatch, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows of each segment] += x[rows] @ A.T @ B.T for the segment's adapter on (layer, group).
@@ -127,7 +144,21 @@ class LoraCompute:
         table = self._tables.get((layer, group))
         if table is None or table.max_rank == 0:
             return
-        if x.device.type == "cpu" and batch.longest <= SINGLE_THREAD_MAX_ROWS:
+        if x.device.type == "cpu" and batch.longest <= SINGLE_THREAD_MAX_ROWS and self._native_fits(batch, x, y):
+            # Decode-sized segments of float32 adapters in contiguous slots: one native call for the whole
+            # projection instead of a shrink and expands per segment (kernels/native/cpu_ops.cpp, lora_add).
+            torch.ops.loraplex_cpu.lora_add(
+                x,
+                y,
+                self.adapters.pool.storage[layer].view(-1),
+                batch.adapter_segments(),
+                self._native_bases,
+                table.a_offsets,
+                table.native_ranks,
+                table.native_outputs,
+                table.native_modules,
+            )
+        elif x.device.type == "cpu" and batch.longest <= SINGLE_THREAD_MAX_ROWS:
             # Small per-segment matmuls (decode): a thread team's fork and join costs more than the matmul itself
             # (decision 0019).
             threads = torch.get_num_threads()
@@ -138,6 +169,15 @@ class LoraCompute:
                 torch.set_num_threads(threads)
         else:
             self._add(batch, layer, table, x, y)
+
+    def _native_fits(self, batch: LoraBatch, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether the native operator computes this call: built and loaded, float32 throughout, rows contiguous,
+        and every adapter slot of the step in one ascending run of pages (the pool's usual case)."""
+        if not self._native or x.dtype != torch.float32 or y.dtype != torch.float32:
+            return False
+        if x.stride(1) != 1 or y.stride(1) != 1:
+            return False
+        return all(slot < 0 or self._bases[slot] is not None for _, _, slot in batch.host)
 
     def _add(self, batch: LoraBatch, layer: int, table: _GroupTable, x: torch.Tensor, y: torch.Tensor) -> None:
         pool = self.adapters.pool
@@ -184,6 +224,7 @@ class LoraCompute:
                 page_table[i, : len(entry.pages)] = torch.tensor(entry.pages, dtype=torch.int32)
         self._page_table = page_table.to(self.device)
         self._bases = [entry.base if entry is not None else None for entry in slots]
+        self._native_bases = torch.tensor([-1 if b is None else b for b in self._bases], dtype=torch.int64)
         self._tables = {}
         # The model's layers, not the pool's: a draft model's adapters share a pool sized for its target's layers.
         for layer in range(self.adapters.model_config.num_layers):
@@ -219,9 +260,19 @@ class LoraCompute:
                 )
             )
         group_ranks = [0 if p is None else p.rank for p in placements]
+        native_modules = (
+            torch.stack(
+                [torch.stack([m.b_offsets.cpu(), m.ranks.cpu().long(), m.h_cols.cpu().long()], dim=1) for m in tables]
+            )
+            if tables
+            else torch.zeros(0, len(slots), 3, dtype=torch.int64)
+        )
         return _GroupTable(
             a_offsets=tensor([0 if p is None else p.a_offset for p in placements], torch.int64),
             ranks=tensor(group_ranks, torch.int32),
             max_rank=max(group_ranks, default=0),
             modules=tuple(tables),
+            native_ranks=torch.tensor(group_ranks, dtype=torch.int64),
+            native_outputs=torch.tensor([[m.out_start, m.out_end] for m in tables], dtype=torch.int64).view(-1, 2),
+            native_modules=native_modules.contiguous(),
         )

@@ -23,7 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from loraplex.kernels import sgmv  # noqa: E402  (after TRITON_INTERPRET, see above)
+from loraplex.kernels import native, sgmv  # noqa: E402  (after TRITON_INTERPRET, see above)
 
 pytestmark = pytest.mark.unit
 
@@ -399,7 +399,9 @@ QKV_OUT = [40, 16, 16]  # q, k, v output features
 QKV_RANKS = [[8, 8, 8], [16, 4, 4], [0, 0, 0], [32, 32, 16]]  # per slot: q, k, v ranks
 
 
-def make_group_case(dtype: torch.dtype, device: str) -> tuple[Case, list[list[torch.Tensor]]]:
+def make_group_case(
+    dtype: torch.dtype, device: str, *, contiguous: bool = False, layout: list[tuple[int, int]] | None = None
+) -> tuple[Case, list[list[torch.Tensor]]]:
     """q/k/v of 4 slots: A rows back to back ([rq + rk + rv, in]), then B^T of q, k and v."""
     gen = torch.Generator().manual_seed(7)
     mats = []
@@ -407,8 +409,8 @@ def make_group_case(dtype: torch.dtype, device: str) -> tuple[Case, list[list[to
         a = torch.randn(sum(ranks), IN_FEATURES, generator=gen) / IN_FEATURES**0.5
         bts = [torch.randn(r, out, generator=gen) / max(r, 1) ** 0.5 for r, out in zip(ranks, QKV_OUT, strict=True)]
         mats.append([a, *bts])
-    pool = make_pool(mats, dtype=dtype, gen=gen)
-    layout = [(3, 0), (1, -1), (4, 1), (2, 2), (1, 3), (0, 1), (5, 3)]
+    pool = make_pool(mats, dtype=dtype, gen=gen, contiguous=contiguous)
+    layout = layout or [(3, 0), (1, -1), (4, 1), (2, 2), (1, 3), (0, 1), (5, 3)]
     num_tokens = sum(length for length, _ in layout)
     max_rank = max(sum(r) for r in QKV_RANKS)
     case = Case(
@@ -447,9 +449,7 @@ def test_qkv_group(dtype: torch.dtype, path: str) -> None:
         page_elems=PAGE_ELEMS,
         max_rank=case.max_rank,
     )
-    expected = case.y_wide.cpu().double()
-    x = case.x.cpu().double()
-    slots = token_slots(case.layout)
+    expected = group_reference(case)
     col = 0
     for module, out_features in enumerate(QKV_OUT):
         ranks = [r[module] for r in QKV_RANKS]
@@ -467,7 +467,20 @@ def test_qkv_group(dtype: torch.dtype, path: str) -> None:
             page_elems=PAGE_ELEMS,
             h_col_offsets=case.tensor(h_cols, torch.int32),
         )
-        for t, slot in enumerate(slots):
+        col += out_features
+    atol, rtol = EXPAND_TOL[dtype]
+    torch.testing.assert_close(case.y_wide.cpu().double(), expected, atol=atol, rtol=rtol)
+
+
+def group_reference(case: Case) -> torch.Tensor:
+    """y_wide after every token's q, k and v deltas, each module's A and B^T rebuilt through the page table."""
+    expected = case.y_wide.cpu().double()
+    x = case.x.cpu().double()
+    col = 0
+    for module, out_features in enumerate(QKV_OUT):
+        ranks = [r[module] for r in QKV_RANKS]
+        h_cols = [sum(r[:module]) for r in QKV_RANKS]
+        for t, slot in enumerate(token_slots(case.layout)):
             if slot == -1 or ranks[slot] == 0:
                 continue
             a = rebuild(
@@ -476,8 +489,74 @@ def test_qkv_group(dtype: torch.dtype, path: str) -> None:
             bt = rebuild(case.pool, slot, case.pool.offsets[slot][1 + module], ranks[slot], out_features)
             expected[t, col : col + out_features] += (a @ x[t]) @ bt
         col += out_features
-    atol, rtol = EXPAND_TOL[dtype]
-    torch.testing.assert_close(case.y_wide.cpu().double(), expected, atol=atol, rtol=rtol)
+    return expected
+
+
+def native_group_args(case: Case) -> tuple[torch.Tensor, ...]:
+    """lora_add's tables for make_group_case's slots (kernels/native/cpu_ops.cpp states them)."""
+    segments, start = [], 0
+    for length, slot in case.layout:
+        if slot >= 0:
+            segments.append((start, start + length, slot))
+        start += length
+    bases = [-1 if b is None else b for b in case.pool.slot_bases]
+    outputs, col = [], 0
+    for out_features in QKV_OUT:
+        outputs.append((col, col + out_features))
+        col += out_features
+    modules = [
+        [(offs[1 + m], r[m], sum(r[:m])) for offs, r in zip(case.pool.offsets, QKV_RANKS, strict=True)]
+        for m in range(len(QKV_OUT))
+    ]
+    return (
+        torch.tensor(segments, dtype=torch.int64).view(-1, 3),
+        torch.tensor(bases, dtype=torch.int64),
+        torch.tensor([offs[0] for offs in case.pool.offsets], dtype=torch.int64),
+        torch.tensor([sum(r) for r in QKV_RANKS], dtype=torch.int64),
+        torch.tensor(outputs, dtype=torch.int64),
+        torch.tensor(modules, dtype=torch.int64),
+    )
+
+
+class TestNativeLoraAdd:
+    """The native operator (kernels/native/cpu_ops.cpp, lora_add): a whole fused projection's segments in one call,
+    against the same reference as the torch paths."""
+
+    @pytest.fixture(autouse=True)
+    def _built(self) -> None:
+        if not native.load():
+            pytest.fail("the native CPU operators are not built: `make` builds them", pytrace=False)
+
+    @pytest.mark.parametrize(
+        "layout",
+        [
+            [(3, 0), (1, -1), (4, 1), (2, 2), (1, 3), (0, 1), (5, 3)],
+            [(1, 0), (1, 1), (1, 3), (1, -1), (1, 0)],  # decode: one token per segment, a slot twice
+            [(40, 3), (64, 0), (2, -1), (17, 1)],  # long segments: past the inline threshold, split over threads
+        ],
+        ids=["mixed", "decode", "long"],
+    )
+    def test_matches_the_reference(self, layout: list[tuple[int, int]]) -> None:
+        case, _ = make_group_case(torch.float32, "cpu", contiguous=True, layout=layout)
+        expected = group_reference(case)
+        torch.ops.loraplex_cpu.lora_add(case.x, case.y_wide, case.pool.weights, *native_group_args(case))
+        torch.testing.assert_close(case.y_wide.double(), expected, atol=1e-4, rtol=0)
+
+    def test_rejects_a_slot_whose_pages_are_not_one_run(self) -> None:
+        case, _ = make_group_case(torch.float32, "cpu", contiguous=True)
+        segments, bases, *rest = native_group_args(case)
+        bases[1] = -1
+        before = case.y_wide.clone()
+        with pytest.raises(RuntimeError, match="not a contiguous slot"):
+            torch.ops.loraplex_cpu.lora_add(case.x, case.y_wide, case.pool.weights, segments, bases, *rest)
+        assert torch.equal(case.y_wide, before)  # checked before anything is written
+
+    def test_rejects_a_matrix_past_the_pool(self) -> None:
+        case, _ = make_group_case(torch.float32, "cpu", contiguous=True)
+        segments, bases, a_offsets, *rest = native_group_args(case)
+        a_offsets[3] = case.pool.weights.numel()
+        with pytest.raises(RuntimeError, match="past the pool"):
+            torch.ops.loraplex_cpu.lora_add(case.x, case.y_wide, case.pool.weights, segments, bases, a_offsets, *rest)
 
 
 def _bad_shrink_inputs() -> list[tuple[str, dict[str, Any], str]]:
