@@ -1,0 +1,214 @@
+"""What benchmarks/report.py reads: the results files, where each came from, and how a figure is written on the page.
+
+A results file is one benchmark's JSON in benchmarks/results/, named by the script that writes it. Sections of the
+page read the parsed documents through `Results.get`; a file that is missing or does not parse reads as None, and a
+section that finds a key missing raises `KeyError` (or `TypeError`, `IndexError` where a value has another shape),
+which the page turns into one line naming the command that writes the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# What a section may raise when its results file has another shape than it expects: the section is left out.
+SHAPE_ERRORS = (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError, AttributeError)
+
+PYTHON = ".venv/bin/python"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Benchmark:
+    command: str  # writes the results file, with the repeats its figures need
+    what: str  # what it measures, in a few words
+
+
+# Every results file the page reads. `make bench` (Makefile) runs the main ones with fewer repeats, to fit in 20
+# minutes on 2 cores; these are the commands as each script's docstring gives them.
+BENCHMARKS: dict[str, Benchmark] = {
+    "suite": Benchmark(f"{PYTHON} benchmarks/suite.py", "online serving: latency under load, adapters, pool, cache"),
+    "engine_throughput": Benchmark(
+        f"{PYTHON} benchmarks/engine_throughput.py --repeats 3", "offline throughput against transformers"
+    ),
+    "engine_throughput_bfloat16": Benchmark(
+        f"{PYTHON} benchmarks/engine_throughput.py --dtype bfloat16", "the same in bfloat16"
+    ),
+    "lora_throughput": Benchmark(
+        f"{PYTHON} benchmarks/lora_throughput.py --repeats 3", "offline multi-LoRA throughput against peft"
+    ),
+    "quant_throughput": Benchmark(f"{PYTHON} benchmarks/quant_throughput.py", "quantized weights: speed and memory"),
+    "quant_quality": Benchmark(f"{PYTHON} benchmarks/quant_quality.py", "quantized weights: perplexity"),
+    "prefix_cache": Benchmark(f"{PYTHON} benchmarks/prefix_cache.py", "prefix cache on a multi-turn chat trace"),
+    "speculative": Benchmark(f"{PYTHON} benchmarks/speculative.py --repeats 7", "speculative decoding"),
+    "structured_output": Benchmark(
+        f"{PYTHON} benchmarks/structured_output.py --repeats 3", "cost of grammar-constrained output"
+    ),
+    "fairness": Benchmark(f"{PYTHON} benchmarks/fairness.py --duration 30 --repeats 3", "fair share under a flood"),
+    "reasoning": Benchmark(f"{PYTHON} benchmarks/reasoning.py --repeats 9", "reasoning effort tiers"),
+    "platform_overhead": Benchmark(
+        f"{PYTHON} benchmarks/platform_overhead.py --setup both", "what the platform adds per request"
+    ),
+    "decode_profile": Benchmark(f"{PYTHON} benchmarks/decode_profile.py", "the matmul floor of the offline trace"),
+    "attention_cpu": Benchmark(f"{PYTHON} benchmarks/attention_cpu.py", "paged attention kernel, CPU path"),
+    "sgmv_cpu": Benchmark(f"{PYTHON} benchmarks/sgmv_cpu.py", "LoRA shrink/expand kernels, CPU path"),
+    "quant_cpu": Benchmark(f"{PYTHON} benchmarks/quant_cpu.py", "quantized matmul kernels, CPU path"),
+}
+
+
+def command(name: str) -> str:
+    known = BENCHMARKS.get(name)
+    return known.command if known is not None else f"{PYTHON} benchmarks/{name}.py"
+
+
+def writes(name: str) -> str:
+    """`command` → `file`, as the page says where a figure comes from."""
+    return f"`{command(name)}` → `benchmarks/results/{name}.json`"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where a results file came from: its machine in words, and the commit and date it was measured at (from the
+    file itself when it records them; otherwise the last commit that changed the file, or None outside git)."""
+
+    machine: str
+    commit: str | None
+    date: str | None
+    committed: bool  # False: the commit is the file's last in git, and the file has changed since (a new run)
+
+
+class Results:
+    """The parsed results files of one directory, read once each."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._documents: dict[str, dict[str, Any] | None] = {}
+
+    def path(self, name: str) -> Path:
+        return self.directory / f"{name}.json"
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        """The document, or None when the file is missing, unreadable or not a JSON object."""
+        if name not in self._documents:
+            self._documents[name] = self._read(name)
+        return self._documents[name]
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        path = self.path(name)
+        try:
+            document = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            logger.warning("%s: not read (%s)", path, exc)
+            return None
+        if not isinstance(document, dict):
+            logger.warning("%s: not a JSON object", path)
+            return None
+        return document
+
+    def names(self) -> list[str]:
+        """The results files present, by name."""
+        return sorted(p.stem for p in self.directory.glob("*.json") if self.get(p.stem) is not None)
+
+    def provenance(self, name: str) -> Provenance:
+        document = self.get(name) or {}
+        commit, date = document.get("commit"), document.get("date")
+        if isinstance(date, str):
+            date = date[:10]  # the day of an ISO timestamp
+        committed = True
+        if not commit:
+            commit, date, committed = _git_last_commit(self.path(name))
+        return Provenance(machine_words(document), commit, date, committed)
+
+
+def machine_words(document: dict[str, Any]) -> str:
+    """The machine a results file names, in a few words: CPU model or architecture, SIMD level, threads, torch."""
+    recorded = document.get("machine")  # a dict in most files, the architecture's name in the kernel benchmarks'
+    machine: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
+    cpu = machine.get("cpu_model") or machine.get("cpu") or machine.get("processor") or recorded
+    parts = [cpu] if isinstance(cpu, str) and cpu else []
+    if capability := document.get("cpu_capability"):
+        parts.append(str(capability))
+    threads = machine.get("threads") or document.get("threads")
+    if threads:
+        parts.append(f"{threads} threads")
+    torch_version = machine.get("torch") or document.get("torch")
+    if torch_version:
+        parts.append(f"torch {torch_version}")
+    return ", ".join(parts) or "not recorded"
+
+
+def _git_last_commit(path: Path) -> tuple[str | None, str | None, bool]:
+    """(short hash, date, unchanged since) of the last commit that changed `path`; Nones outside a git checkout."""
+    try:
+        logged = subprocess.run(
+            ["git", "log", "-1", "--format=%h %cs", "--", path.name],
+            cwd=path.parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", path.name],
+            cwd=path.parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None, None, True
+    if logged.returncode != 0 or not logged.stdout.strip():
+        return None, None, True
+    commit, _, date = logged.stdout.strip().partition(" ")
+    return commit, date or None, not status.stdout.strip()
+
+
+# Figures as the page writes them.
+
+
+def x(value: float) -> str:
+    """A ratio: 1.92x."""
+    return f"{value:.2f}x"
+
+
+def num(value: float, digits: int = 0) -> str:
+    """A count or rate with thousands separators: 1,935 or 2.19."""
+    return f"{value:,.{digits}f}"
+
+
+def ms(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.1f} ms" if value < 100 else f"{value:,.0f} ms"
+
+
+def pct(value: float, signed: bool = False) -> str:
+    if signed and round(value * 100, 1) == 0:
+        return "±0.0%"
+    return f"{value * 100:+.1f}%" if signed else f"{value * 100:.1f}%"
+
+
+def mib(num_bytes: float) -> str:
+    value = num_bytes / 2**20
+    return f"{value:,.0f} MiB" if value >= 100 else f"{value:.1f} MiB"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def latency(summary: dict[str, Any], metric: str, stat: str) -> float | None:
+    """A latency of a serve summary (benchmarks/serve_stats.Summary as a dict), in ms; None when no request had it."""
+    stats = summary[metric]
+    return None if stats is None else float(stats[stat])
