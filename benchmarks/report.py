@@ -386,7 +386,7 @@ def write_report(results_dir: Path, out: Path, plots_dir: Path) -> list[str]:
     """Write the page to `out` and its plots to `plots_dir`; returns the parts left out."""
     link = Path(os.path.relpath(plots_dir, out.parent)).as_posix()
     page = Page(Results(results_dir), Plots(plots_dir, link))
-    page.lines += [GENERATED, "", "# Benchmarks", "", INTRO, ""]
+    page.lines += [GENERATED, "", "# Benchmarks", "", " ".join(INTRO.split()), ""]
     page.headline()
     page.what_was_run()
     page.sections()

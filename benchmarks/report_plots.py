@@ -33,7 +33,9 @@ class Plots:
         self.directory.mkdir(parents=True, exist_ok=True)
         FigureCanvasAgg(figure)
         # No "Software" text: the file then changes only when its figures do.
-        figure.savefig(self.directory / f"{name}.png", dpi=DPI, metadata={"Software": None})
+        figure.savefig(
+            self.directory / f"{name}.png", dpi=DPI, metadata={"Software": None}, pil_kwargs={"optimize": True}
+        )
         self.saved.append(name)
         return f"![{alt}]({self.link_dir}/{name}.png)"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -208,6 +209,8 @@ def test_paragraphs_fold_at_120_columns_and_never_open_a_block(tmp_path: Path, o
     lines = page_path.read_text().splitlines()
     prose = [line for line in lines if not line.startswith(("|", "!", "<"))]
     assert all(len(line) <= 120 or " " not in line.strip() for line in prose)
+    # A paragraph's lines are full up to its last: no line broken early (text that had a newline of its own).
+    assert all(len(line) > 60 for line, after in itertools.pairwise(prose) if line and after[:1].isalpha())
     folded = report.wrap(["word " * 23 + "- " + "word " * 30])
     assert all(not line.startswith("- ") for line in folded)
     assert " ".join(folded).split() == ("word " * 23 + "- " + "word " * 30).split()
