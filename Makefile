@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU machines get the CPU build of torch first; otherwise pip would pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: dev test lint fmt venv clean chromium
+.PHONY: dev test lint fmt venv clean chromium bench bench-gpu
 
 venv: $(STAMP)
 
@@ -42,6 +42,28 @@ chromium:
 		echo "warning: no chromium, and neither root nor sudo to run: apt-get install chromium" >&2; exit 0; fi; \
 	echo "installing Debian's chromium (for the browser tests)"; \
 	$$SUDO env $(APT_CHROMIUM) || { $$SUDO apt-get update && $$SUDO env $(APT_CHROMIUM); }
+
+# The CPU benchmark suite, then docs/benchmarks.md and its plots regenerated from benchmarks/results/ (report.py).
+# Fewer repeats than the commands on that page, to stay under 20 minutes on 2 shared cores. Estimates from the
+# seconds the results files record: engine_throughput 1.5 min (one run of each side, transformers at batch 32 and
+# 64, where its best has always been), lora_throughput 1.5 min (peft at batch 64 only, its best in every run),
+# quant_throughput 1.5 min (one round of four modes on the first 32 requests; bf16 is the reference of its byte
+# ratios), platform_overhead 2 min, the serving suite 12 min (its docstring's figure), report.py 10 s: about
+# 19 minutes.
+# platform_overhead's services setup needs Postgres and Redis at its default URLs (see its --database-url and
+# --redis-url); without them: make bench BENCH_OVERHEAD_ARGS="--setup embedded".
+BENCH_OVERHEAD_ARGS ?= --setup both
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine_throughput.py --repeats 1 --batch-sizes 32,64
+	$(BIN)/python benchmarks/lora_throughput.py --repeats 1 --batch-sizes 64
+	$(BIN)/python benchmarks/quant_throughput.py --rounds 1 --requests 32 --modes float32,bfloat16,int8,int4
+	$(BIN)/python benchmarks/platform_overhead.py $(BENCH_OVERHEAD_ARGS)
+	$(BIN)/python benchmarks/suite.py
+	$(BIN)/python benchmarks/report.py
+
+# The GPU variant (a larger model, --device cuda, the Triton kernels): run on a machine with a CUDA GPU.
+bench-gpu: $(STAMP)
+	scripts/bench_gpu.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
