@@ -174,9 +174,9 @@ def _git_last_commit(path: Path) -> tuple[str | None, str | None, bool]:
 # Figures as the page writes them.
 
 
-def x(value: float) -> str:
-    """A ratio: 1.92x."""
-    return f"{value:.2f}x"
+def x(value: float | None) -> str:
+    """A ratio: 1.92x; None (a ratio over nothing: the other side produced no output) as a dash."""
+    return "—" if value is None else f"{value:.2f}x"
 
 
 def num(value: float, digits: int = 0) -> str:

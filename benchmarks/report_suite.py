@@ -12,7 +12,7 @@ import report_plots
 from report_data import Results, latency, ms, num, table, writes, x
 from report_plots import Plots
 
-SUMMARY_HEADER = ["output tok/s", "goodput req/s", "TTFT p50 / p99", "TPOT p50 / p99"]
+SUMMARY_HEADER = ["output tok/s", "goodput req/s", "TTFT p50 / p99", "TPOT p50 / p99", "errors"]
 
 
 def summary_cells(summary: dict[str, Any]) -> list[str]:
@@ -22,6 +22,7 @@ def summary_cells(summary: dict[str, Any]) -> list[str]:
         "—" if goodput is None else num(goodput, 2),
         f"{ms(latency(summary, 'ttft', 'p50'))} / {ms(latency(summary, 'ttft', 'p99'))}",
         f"{ms(latency(summary, 'tpot', 'p50'))} / {ms(latency(summary, 'tpot', 'p99'))}",
+        str(summary["num_errors"]),
     ]
 
 
@@ -81,7 +82,7 @@ def headline(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
         rows = [
             ["loraplex", *summary_cells(loraplex)],
             ["naive online", *summary_cells(entry["naive_online"])],
-            [f"peft offline (batch {peft['best_batch_size']})", num(peft["output_tokens_per_s"]), "—", "—", "—"],
+            [f"peft offline (batch {peft['best_batch_size']})", num(peft["output_tokens_per_s"]), "—", "—", "—", "—"],
         ]
         lines += table(["server", *SUMMARY_HEADER], rows)
         lines += [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -228,3 +229,18 @@ def test_sweeps_a_partial_suite_run_left_empty_are_left_out(tmp_path: Path, out:
     assert sorted(p.stem for p in plots.glob("*.png")) == ["pool_budget", "prefix_cache", "speculative"]
     assert "## Serving under load" not in page
     assert "the results file has no 'headline'" in page and "'sweeps.rate'" in page
+
+
+def test_a_peer_that_served_nothing_shows_a_dash_not_a_ratio(tmp_path: Path, out: tuple[Path, Path]) -> None:
+    page_path, plots = out
+    suite = suite_document()
+    entry = suite["headline"][0]
+    failed = summarize([], 10.0, Slo(ttft_ms=1000, tpot_ms=200))
+    entry["naive_online"] = summary_document(dataclasses.replace(failed, num_requests=200, num_errors=200))
+    entry["loraplex_over_naive"] = None  # what suite_headline writes when the peer produced no tokens
+
+    report.write_report(results_dir(tmp_path, suite), page_path, plots)
+    page = page_path.read_text()
+
+    assert any("naive online server" in r and "| **—** |" in r for r in headline_rows(page))
+    assert "| naive online | 0 | 0.00 | — / — | — / — | 200 |" in page
