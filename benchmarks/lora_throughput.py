@@ -98,8 +98,16 @@ def run_loraplex(
 
 
 def run_peft(
-    model_dir: Path, adapters: list[tuple[str, Path, int]], workload: Workload, owners: list[int], sizes: list[int]
+    model_dir: Path,
+    adapters: list[tuple[str, Path, int]],
+    workload: Workload,
+    owners: list[int],
+    sizes: list[int],
+    *,
+    warm_up: bool = False,
 ) -> dict[str, Any]:
+    """The workload through peft's mixed-adapter `generate` in static batches of each size, request i with adapter
+    owners[i]; with `warm_up`, one short batch runs first, outside the clock, so that no size pays the first calls."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -108,29 +116,34 @@ def run_peft(
     for name, path, _ in adapters[1:]:
         model.load_adapter(path, adapter_name=name)
     model.eval()
+
+    def generate(first: int, count: int, new_tokens: int) -> None:
+        prompts = workload.prompts[first : first + count]
+        names = [adapters[owners[i]][0] for i in range(first, first + len(prompts))]
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+        mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                adapter_names=names,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+    if warm_up:
+        generate(0, 2, 2)
     results: dict[str, Any] = {}
     for batch_size in sizes:
         start = time.perf_counter()
         for first in range(0, len(workload.prompts), batch_size):
-            prompts = workload.prompts[first : first + batch_size]
-            outs = workload.max_tokens[first : first + batch_size]
-            names = [adapters[owners[i]][0] for i in range(first, first + len(prompts))]
-            width = max(map(len, prompts))
-            ids = torch.zeros(len(prompts), width, dtype=torch.int64)
-            mask = torch.zeros(len(prompts), width, dtype=torch.int64)
-            for row, prompt in enumerate(prompts):
-                ids[row, width - len(prompt) :] = torch.tensor(prompt)
-                mask[row, width - len(prompt) :] = 1
-            with torch.inference_mode():
-                model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    adapter_names=names,
-                    max_new_tokens=max(outs),
-                    min_new_tokens=max(outs),
-                    do_sample=False,
-                    pad_token_id=0,
-                )
+            generate(first, batch_size, max(workload.max_tokens[first : first + batch_size]))
         elapsed = time.perf_counter() - start
         results[str(batch_size)] = {"seconds": elapsed, "tokens_per_s": workload.useful_tokens / elapsed}
     best = max(results, key=lambda k: results[k]["tokens_per_s"])
