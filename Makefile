@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU machines get the CPU build of torch first; otherwise pip would pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: dev test lint fmt venv clean chromium bench bench-gpu
+.PHONY: dev test lint fmt venv clean chromium native bench bench-gpu
 
 venv: $(STAMP)
 
@@ -23,10 +23,15 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/python -m pip install --quiet -e '.[dev,kernels]'
 	touch $(STAMP)
 
-dev: $(STAMP)
+# The native CPU operators (kernels/native.py): compiled once for this machine and this torch, a no-op when the
+# library is already there; without a compiler it warns and the torch paths serve.
+native: $(STAMP)
+	$(BIN)/python -m loraplex.kernels.native
+
+dev: $(STAMP) native
 	$(BIN)/loraplex dev
 
-test: $(STAMP) chromium
+test: $(STAMP) native chromium
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The browser tests (the console's and the billing page's) drive Debian's chromium through Playwright
@@ -80,4 +85,4 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache kernels/_native
