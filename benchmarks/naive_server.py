@@ -133,7 +133,7 @@ class NaiveScheduler:
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.merged: str | None = None
-        self.num_batches = 0
+        self.num_batches = 0  # batches started
         self.num_switches = 0  # merges of an adapter into the base
         self._waiting: list[NaiveJob] = []
         self._cond = threading.Condition()
@@ -148,14 +148,14 @@ class NaiveScheduler:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
         if loras:
             from peft import PeftModel
 
             (first, first_path), *rest = loras
             model = PeftModel.from_pretrained(model, first_path, adapter_name=first)
             for name, path in rest:
-                model.load_adapter(path, adapter_name=name)
+                model.load_adapter(str(path), adapter_name=name)
         model.eval()
         return cls(model, tokenizer, base_name or model_dir.name, [name for name, _ in loras], max_batch_size)
 
@@ -212,6 +212,7 @@ class NaiveScheduler:
         self.merged = adapter
 
     def _generate(self, batch: list[NaiveJob]) -> None:
+        self.num_batches += 1
         adapter, hold = batch[0].adapter, batch[0].hold
         self._activate(adapter)
         width = max(len(job.prompt_ids) for job in batch)
@@ -230,7 +231,6 @@ class NaiveScheduler:
         with torch.inference_mode(), bare:
             self.model.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **kwargs)
         streamer.end()
-        self.num_batches += 1
 
 
 # --- HTTP ------------------------------------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ async def _complete(scheduler: NaiveScheduler, data: dict[str, Any], chat: bool)
         finish = "length" if num_tokens >= job.max_tokens else "stop"
         yield f"data: {json.dumps(_chunk(chat, rid, created, model, None, finish))}\n\n".encode()
         if include_usage:
-            closing = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion"}
+            closing: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion"}
             closing |= {"created": created, "model": model, "choices": [], "usage": usage(num_tokens)}
             yield f"data: {json.dumps(closing)}\n\n".encode()
         yield b"data: [DONE]\n\n"

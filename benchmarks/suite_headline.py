@@ -64,13 +64,18 @@ def headline(
     offline = peft_offline(model_dir, adapters, trace, peft_batch_sizes)
     return {
         "model": model,
-        "trace": config.describe(),
+        "trace": {**config.describe(), "adapter_ranks": _ranks_words(adapters, config.num_adapters)},
         "loraplex": ours,
         "naive_online": naive,
         "peft_offline": offline,
         "loraplex_over_naive": _ratio(ours["output_tokens_per_s"], naive["output_tokens_per_s"]),
         "loraplex_over_peft_offline": _ratio(ours["output_tokens_per_s"], offline["output_tokens_per_s"]),
     }
+
+
+def _ranks_words(adapters: AdapterSet, count: int) -> str:
+    ranks = adapters.ranks[:count]
+    return f"{min(ranks)}-{max(ranks)}, every linear layer"
 
 
 def _ratio(ours: float, theirs: float) -> float | None:
