@@ -19,6 +19,8 @@ import httpx
 
 logger = logging.getLogger(__name__)
 
+MAX_LOGGED_CHARS = 400  # of a launched command line
+
 
 class EngineLaunchError(RuntimeError):
     """The engine (or another launched server) exited or did not become healthy at start; the message names its log."""
@@ -63,7 +65,10 @@ def launched_server(
     on exit. Its output goes to a temporary log, kept and named in the error when it fails to start."""
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w+b", prefix=f"loraplex-{name}-", suffix=".log", delete=False) as log:
-        logger.info("starting %s (log: %s)", shlex.join(command), log.name)
+        shown = shlex.join(command)
+        if len(shown) > MAX_LOGGED_CHARS:  # thousands of --lora flags
+            shown = f"{shown[:MAX_LOGGED_CHARS]} ... ({len(command)} arguments)"
+        logger.info("starting %s (log: %s)", shown, log.name)
         process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + startup_timeout_s
