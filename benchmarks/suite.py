@@ -161,10 +161,12 @@ def commit() -> str:
 class Suite:
     """One run's parts. Models and adapters are written when a part first needs them, and kept for the others."""
 
-    def __init__(self, root: Path, sizes: Sizes, runner: Runner) -> None:
+    def __init__(self, root: Path, sizes: Sizes, runner: Runner, num_parts: int) -> None:
         self.root = root
         self.sizes = sizes
         self.runner = runner
+        self.num_parts = num_parts  # for the progress display
+        self.num_started = 0
         self.stages_s: dict[str, float] = {}  # what each part and each asset took
         self._made: dict[str, Any] = {}
 
@@ -194,7 +196,8 @@ class Suite:
         return self._asset(f"{key} adapters 8-64", lambda: mixed_adapters(self.root / f"{key}-mixed", config, count))
 
     def part(self, name: str, run: Callable[[], T]) -> T:
-        self.runner.console.rule(name)
+        self.num_started += 1
+        self.runner.console.rule(f"[{self.num_started}/{self.num_parts}] {name}")
         return self._timed(name, run)
 
     # --- the parts ---------------------------------------------------------------------------------------------------
@@ -252,11 +255,12 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     sweeps: dict[str, Any] = {"adapters": [], "rank_mix": [], "rate": [], "prefix_cache": [], "pool_budget": []}
     large: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="loraplex-suite-") as tmp:
-        suite = Suite(Path(tmp), QUICK if args.quick else FULL, runner)
+        with_large = "headline" in args.only and not (args.skip_large or args.quick)
+        suite = Suite(Path(tmp), QUICK if args.quick else FULL, runner, len(args.only) + with_large)
         _, small_config = suite.model("small")
         if "headline" in args.only:
             entries.append(suite.headline("small"))
-            if not (args.skip_large or args.quick):
+            if with_large:
                 entries.append(suite.headline("large"))
                 large = model_info(suite.model("large")[1])
         if "adapters" in args.only:
