@@ -9,7 +9,8 @@ sweeps (issue 20, points 2 and 3).
 - adapters: the trace over 1, 8, 64, 512, 2048 distinct adapters (rank 8 on q and v, cheap to write and hold; past
   the pool's 64 slots they move between the pool and the host-memory tier).
 - rank_mix: equally many adapters of rank 8, then of ranks 8-64 (every linear layer).
-- rate: the closed-loop capacity, then Poisson arrivals from a quarter of it to past it, with goodput under the SLO.
+- rate: the closed-loop capacity (16 clients), then Poisson arrivals from a quarter of it to twice it, with goodput
+  under the SLO.
 - prefix_cache: a multi-turn chat trace (a system prompt per tenant) with the engine's prefix cache on and off.
 - pool_budget: adapters of ranks 8-64 resident in pools of several sizes, pages in proportion to rank against padded
   to the largest rank (computed from the engine's layout; no server).
@@ -101,7 +102,7 @@ FULL = Sizes(
     sweep=TraceConfig(64, input_len="32:96", output_len="16", num_adapters=32, concurrency=16),
     adapter_counts=(1, 8, 64, 512, 2048),
     rate_requests=48,
-    rate_fractions=(0.25, 0.5, 0.75, 1.0, 1.25, 1.5),
+    rate_fractions=(0.25, 0.5, 0.75, 1.0, 1.5, 2.0),
     chat=ChatConfig(
         4, 2, turns="3", system_len="192", question_len="16:32", answer_len="16", think_s="0.2:0.6", rate=1.0
     ),
@@ -114,7 +115,7 @@ QUICK = Sizes(
     peft_batch_sizes=(4, 12),
     peft_batch_sizes_large=(8,),
     sweep=TraceConfig(12, input_len="16:32", output_len="8", num_adapters=4, concurrency=4),
-    adapter_counts=(1, 8),
+    adapter_counts=(8,),
     rate_requests=8,
     rate_fractions=(0.5, 1.5),
     chat=ChatConfig(2, 1, turns="2", system_len="64", question_len="8:16", answer_len="8", think_s="0.1:0.2", rate=4.0),
