@@ -6,8 +6,8 @@ sweeps (issue 20, points 2 and 3).
   server (benchmarks/naive_server.py: transformers + peft, one adapter merged at a time, the others' requests
   wait); the same requests run offline by peft's mixed-adapter static batches at its best batch size. Ratios of
   output tokens/s: loraplex / naive, loraplex / peft offline.
-- adapters: the trace over 1, 8, 64, 512, 2048 distinct adapters (rank 8 on q and v, cheap to write and hold; past
-  the pool's 64 slots they move between the pool and the host-memory tier).
+- adapters: the trace over 1, 8, 64, 512, 2048 distinct adapters (rank 8 on q and v, cheap to write and hold), the
+  pool holding 16 at once: past that, adapters move between the pool and the host-memory tier.
 - rank_mix: equally many adapters of rank 8, then of ranks 8-64 (every linear layer).
 - rate: the closed-loop capacity (16 clients), then Poisson arrivals from a quarter of it to twice it, with goodput
   under the SLO.

@@ -19,18 +19,24 @@ from loraplex.engine.tools.demo_adapter import write_random_adapter
 
 logger = logging.getLogger(__name__)
 
+# Adapters resident in the pool at once in the adapters sweep: a 64-request trace over 2048 adapters names about
+# 40, which the engine's default 64 slots would all hold; with 16, the larger counts go through the host tier.
+ADAPTER_SWEEP_SLOTS = 16
+
 
 def adapters_sweep(
     runner: Runner, model_dir: Path, adapters: AdapterSet, counts: Sequence[int], config: TraceConfig
 ) -> list[dict[str, Any]]:
     """`config`'s trace spread over each count of distinct adapters, a fresh server for each holding that many. Only
-    the base is warmed: an adapter loads (from disk) when the trace first asks for it, and past the pool's 64
-    slots adapters move between the pool and the host-memory tier (2 GiB by default, which holds them all)."""
+    the base is warmed: an adapter loads (from disk) when the trace first asks for it. The pool has
+    ADAPTER_SWEEP_SLOTS adapter slots, so that past them adapters move between the pool and the host-memory tier
+    (2 GiB by default, which holds all of them) as the trace asks for them."""
     base = model_dir.name
+    slots = ["--max-loras", str(ADAPTER_SWEEP_SLOTS), "--max-adapters-per-batch", str(ADAPTER_SWEEP_SLOTS)]
     points = []
     for count in counts:
         subset = adapters.first(count)
-        with runner.loraplex(model_dir, subset.loras) as url:
+        with runner.loraplex(model_dir, subset.loras, engine_args=slots) as url:
             runner.warm_up(url, [base])
             trace = dataclasses.replace(config, num_adapters=count).trace(base, subset.names)
             summary = runner.drive(trace, url, label=f"{count} adapters", concurrency=config.concurrency)
