@@ -29,9 +29,10 @@ The result file (benchmarks/report_suite.py reads it): machine {cpu, cpu_model, 
 tracked files differ), date, duration_s, quick, models {small, large (null when not run)}: {parameters, hidden,
 layers}; headline [{model, trace, loraplex, naive_online, peft_offline {best_batch_size, output_tokens_per_s,
 by_batch_size}, loraplex_over_naive, loraplex_over_peft_offline (null when the peer produced nothing)}]; sweeps
-{adapters [{num_adapters, summary}], rank_mix [{ranks, num_adapters, summary}], rate [{rate, summary}],
-rate_capacity {concurrency, summary} (the closed-loop run the rates are fractions of), prefix_cache [{enabled,
-summary}], pool_budget [{budget_mib, unified_resident, padded_resident}]}; stages_s (seconds per part and asset).
+{adapters [{num_adapters, summary, adapter_states (adapters per tier after the run)}], rank_mix [{ranks,
+num_adapters, summary}], rate [{rate, summary}], rate_capacity {concurrency, summary} (the closed-loop run the rates
+are fractions of), prefix_cache [{enabled, summary}], pool_budget [{budget_mib, unified_resident,
+padded_resident}]}; stages_s (seconds per part and asset).
 A summary is serve.py's (serve.summary_document); parts not run leave empty lists.
 """
 

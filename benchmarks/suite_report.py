@@ -63,6 +63,12 @@ def print_summary(document: dict[str, Any], console: Console) -> None:
     if sweeps["adapters"]:
         rows = [[str(p["num_adapters"]), *summary_cells(p["summary"])] for p in sweeps["adapters"]]
         console.print(_table("distinct adapters", ["adapters"], rows))
+        tiers = [
+            f"{p['num_adapters']}: {p['adapter_states'].get('resident', 0)}/{p['adapter_states'].get('loaded', 0)}"
+            for p in sweeps["adapters"]
+            if "adapter_states" in p
+        ]
+        console.print(f"adapters in the pool / in host memory after each run: {', '.join(tiers)}")
     if sweeps["rank_mix"]:
         rows = [[p["ranks"], *summary_cells(p["summary"])] for p in sweeps["rank_mix"]]
         console.print(_table(f"rank mix, {sweeps['rank_mix'][0]['num_adapters']} adapters", ["ranks"], rows))

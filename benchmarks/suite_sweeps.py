@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 from lora_throughput import RANKS, adapter_pages, adapter_ranks, fit_in_pool, page_bytes
 from suite_assets import AdapterSet
 from suite_runs import ChatConfig, Runner, TraceConfig
@@ -40,8 +42,17 @@ def adapters_sweep(
             runner.warm_up(url, [base])
             trace = dataclasses.replace(config, num_adapters=count).trace(base, subset.names)
             summary = runner.drive(trace, url, label=f"{count} adapters", concurrency=config.concurrency)
-        points.append({"num_adapters": count, "summary": summary})
+            states = adapter_states(url)
+        points.append({"num_adapters": count, "summary": summary, "adapter_states": states})
     return points
+
+
+def adapter_states(url: str) -> dict[str, int]:
+    """How many of the server's adapters are in each tier now (/v1/state): resident (pool), loaded (host memory),
+    absent (never asked for, or dropped), loading, failed."""
+    response = httpx.get(f"{url}/v1/state", timeout=30)
+    response.raise_for_status()
+    return dict(Counter(str(entry["state"]) for entry in response.json()["adapters"].values()))
 
 
 def rank_mix_sweep(
