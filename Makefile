@@ -58,7 +58,7 @@ chromium:
 # platform_overhead's services setup needs Postgres and Redis at its default URLs (see its --database-url and
 # --redis-url); without them: make bench BENCH_OVERHEAD_ARGS="--setup embedded".
 BENCH_OVERHEAD_ARGS ?= --setup both
-bench: $(STAMP)
+bench: $(STAMP) native
 	$(BIN)/python benchmarks/engine_throughput.py --repeats 1 --batch-sizes 32,64
 	$(BIN)/python benchmarks/lora_throughput.py --repeats 1 --batch-sizes 64
 	$(BIN)/python benchmarks/quant_throughput.py --rounds 1 --requests 32 --modes float32,bfloat16,int8,int4

@@ -18,7 +18,7 @@ for name, folder in FOLDERS.items():
     top = f"loraplex.{name}"
     packages.append(top)
     package_dir[top] = folder
-    for sub in find_namespace_packages(where=str(HERE / folder), exclude=["*__pycache__*"]):
+    for sub in find_namespace_packages(where=str(HERE / folder), exclude=["*__pycache__*", "csrc", "_native"]):
         packages.append(f"{top}.{sub}")
 
 setup(
@@ -28,7 +28,7 @@ setup(
         "loraplex.platform": ["py.typed", "**/*.html", "**/*.css", "**/*.js"],
         "loraplex.engine": ["py.typed"],
         "loraplex.engine.tools": ["*.txt"],
-        "loraplex.kernels": ["py.typed"],
+        "loraplex.kernels": ["py.typed", "csrc/*.cpp"],  # built on the target by `python -m loraplex.kernels.native`
         "loraplex.migrations": ["script.py.mako", "versions/*.py"],
     },
     include_package_data=False,

@@ -1,7 +1,7 @@
 """loraplex's native CPU operators: built once at install time (`make` runs `python -m loraplex.kernels.native`),
 loaded when present.
 
-kernels/native/cpu_ops.cpp holds two operators of CPU decode, decode attention over the paged cache and the LoRA
+kernels/csrc/cpu_ops.cpp holds two operators of CPU decode, decode attention over the paged cache and the LoRA
 segments of one fused projection (docs/decisions/0035-native-cpu-operators.md says why and what they measured).
 They are compiled here with the C++ compiler torch's own extensions use, against the installed torch's headers, into
 `kernels/_native/` (or `$LORAPLEX_NATIVE_DIR`), and registered as `torch.ops.loraplex_cpu.*` when this module loads
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "native" / "cpu_ops.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 # The machine's own instruction set: the library is built where it runs (CI, a developer's machine, an image's
 # build stage on the serving host's CPU kind). Override with LORAPLEX_NATIVE_CFLAGS, e.g. -march=x86-64-v3.
 DEFAULT_CFLAGS = "-std=c++20 -O3 -march=native -fopenmp-simd -ffast-math -fno-finite-math-only"
@@ -92,7 +92,7 @@ def load() -> bool:
     path = library_path()
     if not path.exists():
         return False
-    torch.ops.load_library(str(path))
+    torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
     return True
 
 

@@ -146,7 +146,7 @@ class LoraCompute:
             return
         if x.device.type == "cpu" and batch.longest <= SINGLE_THREAD_MAX_ROWS and self._native_fits(batch, x, y):
             # Decode-sized segments of float32 adapters in contiguous slots: one native call for the whole
-            # projection instead of a shrink and expands per segment (kernels/native/cpu_ops.cpp, lora_add).
+            # projection instead of a shrink and expands per segment (kernels/csrc/cpu_ops.cpp, lora_add).
             torch.ops.loraplex_cpu.lora_add(
                 x,
                 y,

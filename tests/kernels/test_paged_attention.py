@@ -234,7 +234,7 @@ def require_native() -> None:
 
 
 class TestNativeDecode:
-    """Decode rows through the native operator (kernels/native/cpu_ops.cpp); prefill rows stay in torch."""
+    """Decode rows through the native operator (kernels/csrc/cpu_ops.cpp); prefill rows stay in torch."""
 
     @pytest.mark.parametrize(("group", "block_size"), [(g, b) for g in (1, 2, 4) for b in (16, 32)])
     def test_mixed_batch_sweep(self, group: int, block_size: int) -> None:

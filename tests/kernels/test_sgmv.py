@@ -493,7 +493,7 @@ def group_reference(case: Case) -> torch.Tensor:
 
 
 def native_group_args(case: Case) -> tuple[torch.Tensor, ...]:
-    """lora_add's tables for make_group_case's slots (kernels/native/cpu_ops.cpp states them)."""
+    """lora_add's tables for make_group_case's slots (kernels/csrc/cpu_ops.cpp states them)."""
     segments, start = [], 0
     for length, slot in case.layout:
         if slot >= 0:
@@ -519,7 +519,7 @@ def native_group_args(case: Case) -> tuple[torch.Tensor, ...]:
 
 
 class TestNativeLoraAdd:
-    """The native operator (kernels/native/cpu_ops.cpp, lora_add): a whole fused projection's segments in one call,
+    """The native operator (kernels/csrc/cpu_ops.cpp, lora_add): a whole fused projection's segments in one call,
     against the same reference as the torch paths."""
 
     @pytest.fixture(autouse=True)
