@@ -116,6 +116,18 @@ def run_loraplex(
     }
 
 
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) of the prompts as one batch, padded on the left as decoder-only generation
+    needs."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
 def run_transformers(
     model_dir: Path, workload: Workload, batch_sizes: list[int], dtype: torch.dtype = torch.float32
 ) -> dict[str, Any]:
@@ -128,12 +140,7 @@ def run_transformers(
         for first in range(0, NUM_REQUESTS, batch_size):
             prompts = workload.prompts[first : first + batch_size]
             outs = workload.max_tokens[first : first + batch_size]
-            width = max(map(len, prompts))
-            ids = torch.zeros(len(prompts), width, dtype=torch.int64)
-            mask = torch.zeros(len(prompts), width, dtype=torch.int64)
-            for row, prompt in enumerate(prompts):  # left padding, as decoder-only generation needs
-                ids[row, width - len(prompt) :] = torch.tensor(prompt)
-                mask[row, width - len(prompt) :] = 1
+            ids, mask = left_padded(prompts)
             with torch.inference_mode():
                 model.generate(
                     input_ids=ids,

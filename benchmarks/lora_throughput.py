@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine_throughput import NUM_REQUESTS, Workload, make_workload
+from engine_throughput import NUM_REQUESTS, Workload, left_padded, make_workload
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.lora import parse_adapter, read_adapter_dir
@@ -120,12 +120,7 @@ def run_peft(
     def generate(first: int, count: int, new_tokens: int) -> None:
         prompts = workload.prompts[first : first + count]
         names = [adapters[owners[i]][0] for i in range(first, first + len(prompts))]
-        width = max(map(len, prompts))
-        ids = torch.zeros(len(prompts), width, dtype=torch.int64)
-        mask = torch.zeros(len(prompts), width, dtype=torch.int64)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
+        ids, mask = left_padded(prompts)
         with torch.inference_mode():
             model.generate(
                 input_ids=ids,
