@@ -1,7 +1,9 @@
 """Who is calling: tenant keys on `/v1`, admin tokens and keys on `/admin`.
 
-Key lookups are cached in the shared key-value store (Redis), never in process memory, so a change made on one
-replica is seen by every replica on its next request. Two rules keep the cache from ever outliving a change:
+Key lookups are cached at two levels. In process memory, by the `ConfigCache` (decision 0035): authenticating a
+tenant request first reads the cache's generation, which every change replaces, so a change made on one replica is
+seen by every replica on its next request. Behind it, in the shared key-value store (Redis), where two rules keep an
+entry from ever outliving a change:
 - a cache miss fills the entry only if it is still absent (SET NX), so a request that read the database before a
   change cannot overwrite what the change wrote;
 - a change writes its new truth into the cache after its transaction commits (`key_changed`, `tenant_changed`).
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from loraplex.platform.config_cache import CacheTable, ConfigCache
 from loraplex.platform.domain.api_keys.keys import KeyHasher, KeyKind, parse_key
 from loraplex.platform.domain.api_keys.repository import (
     AdminKeyRepository,
@@ -92,6 +95,7 @@ class Authenticator:
         sessions: async_sessionmaker[AsyncSession],
         kv: KeyValueStore,
         hasher: KeyHasher,
+        config_cache: ConfigCache,
         *,
         admin_token: str | None,
         cache_ttl_s: float,
@@ -99,6 +103,9 @@ class Authenticator:
         self._sessions = sessions
         self._kv = kv
         self._hasher = hasher
+        self._config_cache = config_cache
+        self._keys: CacheTable[ApiKeyId, _CachedKey] = config_cache.table()
+        self._statuses: CacheTable[TenantId, str] = config_cache.table()
         self._admin_token = admin_token
         self._ttl_s = cache_ttl_s
 
@@ -109,6 +116,7 @@ class Authenticator:
         parsed = parse_key(token)
         if parsed is None or parsed.kind is not KeyKind.TENANT:
             raise invalid_api_key()
+        await self._config_cache.sync()  # once per request, before any of its cached lookups
         key = await self._lookup_key(ApiKeyId(parsed.key_id))
         if key is None or not self._hasher.verify(parsed.full_key, key.key_hash):
             raise invalid_api_key()
@@ -137,6 +145,7 @@ class Authenticator:
     async def tenant_key_in_force(self, tenant_id: TenantId, key_id: ApiKeyId) -> TenantPrincipal:
         """The principal of a key that was verified earlier (a console session's), if it is still in force: not
         revoked, still the tenant's, the tenant active. Raises as `tenant` does otherwise."""
+        await self._config_cache.sync()  # once per request, before any of its cached lookups
         key = await self._lookup_key(key_id)
         if key is None or key.tenant_id != tenant_id:
             raise invalid_api_key()
@@ -180,6 +189,16 @@ class Authenticator:
         await self._cache_set(f"tenant:{tenant_id}:status", status.encode(), only_if_absent=False)
 
     async def _lookup_key(self, key_id: ApiKeyId) -> _CachedKey | None:
+        known = self._keys.get(key_id)
+        if known is not None:
+            return known
+        fill = self._config_cache.fill()
+        entry = await self._read_key(key_id)
+        if entry is not None:
+            self._keys.put(key_id, entry, fill)
+        return entry
+
+    async def _read_key(self, key_id: ApiKeyId) -> _CachedKey | None:
         cached = await self._cache_get(f"apikey:{key_id}")
         if cached is not None:
             return _CachedKey.decode(cached)
@@ -193,6 +212,15 @@ class Authenticator:
         return entry
 
     async def _tenant_status(self, tenant_id: TenantId) -> str:
+        known = self._statuses.get(tenant_id)
+        if known is not None:
+            return known
+        fill = self._config_cache.fill()
+        status = await self._read_tenant_status(tenant_id)
+        self._statuses.put(tenant_id, status, fill)
+        return status
+
+    async def _read_tenant_status(self, tenant_id: TenantId) -> str:
         cached = await self._cache_get(f"tenant:{tenant_id}:status")
         if cached is not None:
             return cached.decode()

@@ -27,9 +27,15 @@ async def provide_resources(state: State) -> Resources:
 
 
 async def provide_db(state: State) -> AsyncGenerator[AsyncSession, None]:
-    """A session per request. Handlers commit what they write; anything uncommitted is rolled back here."""
-    async with resources_of(state).sessions() as session:
-        yield session
+    """A session per request. Handlers commit what they write; anything uncommitted is rolled back here. A commit
+    that changed what requests cache (keys, tenants, endpoints, adapters, base models) is published to every
+    replica here, before the response goes out (decision 0035)."""
+    resources = resources_of(state)
+    async with resources.sessions() as session:
+        try:
+            yield session
+        finally:
+            await resources.config_cache.publish_changes(session)
 
 
 async def require_tenant(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:

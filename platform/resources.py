@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from loraplex.engine import AsyncEngine as EngineRuntime
 from loraplex.platform.auth import Authenticator
 from loraplex.platform.concurrency import Leases, open_leases
+from loraplex.platform.config_cache import ConfigCache, watch_sessions
 from loraplex.platform.console.security import SignInThrottle
 from loraplex.platform.console.sessions import SessionStore
 from loraplex.platform.db.engine import create_engine, create_session_factory
@@ -24,6 +25,7 @@ from loraplex.platform.domain.api_keys.keys import KeyHasher
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
 from loraplex.platform.domain.base_models.service import ModelConfigs
+from loraplex.platform.domain.completions.lookups import CompletionLookups
 from loraplex.platform.domain.fleet.embedded import (
     embedded_model,
     embedded_quantization,
@@ -84,6 +86,8 @@ class Resources:
     objects: ObjectStore
     hasher: KeyHasher
     authenticator: Authenticator
+    config_cache: ConfigCache  # what requests read of keys, tenants, endpoints and models (decision 0035)
+    lookups: CompletionLookups  # the completions path's cached reads, in `config_cache`
     model_configs: ModelConfigs
     rate_limiter: RateLimiter
     leases: Leases  # per-tenant concurrency caps
@@ -123,6 +127,8 @@ class Resources:
             await db_engine.dispose()
             raise
         sessions = create_session_factory(db_engine)
+        config_cache = ConfigCache(kv)
+        watch_sessions(sessions, config_cache)
         try:
             fleet, embedded = await _open_fleet(settings, kv, sessions) if with_engines else (EmptyFleet(), None)
         except BaseException:
@@ -132,7 +138,7 @@ class Resources:
             raise
         admin_token = settings.admin_token.get_secret_value() if settings.admin_token is not None else None
         authenticator = Authenticator(
-            sessions, kv, hasher, admin_token=admin_token, cache_ttl_s=settings.key_cache_ttl_s
+            sessions, kv, hasher, config_cache, admin_token=admin_token, cache_ttl_s=settings.key_cache_ttl_s
         )
         rate_limiter = open_rate_limiter(kv, settings)
         usage = open_usage_recorder(sessions, kv)
@@ -145,6 +151,8 @@ class Resources:
             objects=objects,
             hasher=hasher,
             authenticator=authenticator,
+            config_cache=config_cache,
+            lookups=CompletionLookups(sessions, settings, config_cache),
             model_configs=ModelConfigs(settings),
             rate_limiter=CountingRateLimiter(rate_limiter, metrics),
             leases=CountingLeases(open_leases(kv, settings), metrics),

@@ -207,6 +207,17 @@ class Faulty:
             outcome.usage = answer["usage"]
         return outcome
 
+    def cold(self, fault: Callable[[], None]) -> Callable[[], None]:
+        """`fault`, then the platform's cached configuration forgotten, so that every request needs the database
+        again, as the first requests after a change do (with the cache warm they need none of it: see
+        test_postgres_stopped_under_load_with_the_cache_warm)."""
+
+        def run() -> None:
+            fault()
+            self.resources.config_cache.invalidate()
+
+        return run
+
     async def rows(self) -> dict[str, asyncpg.Record]:
         connection = await asyncpg.connect(services.asyncpg_dsn(self.database_url), timeout=10)
         try:
@@ -365,9 +376,20 @@ def launch(
 async def test_postgres_stopped_under_load(launch: Launch, cluster: PostgresCluster) -> None:
     """Crashed (pg_ctl -m immediate), then started again: connections are refused, answered 503 at once."""
     async with launch() as platform:
-        outcomes = await platform.load(10, fault=cluster.stop, repair=cluster.start, client_timeout_s=30)
+        outcomes = await platform.load(10, fault=platform.cold(cluster.stop), repair=cluster.start, client_timeout_s=30)
         counts = await reconcile(platform, outcomes, max_elapsed_s=5.0)
     assert counts["503"] > 0, counts
+
+
+async def test_postgres_stopped_under_load_with_the_cache_warm(launch: Launch, cluster: PostgresCluster) -> None:
+    """Crashed, then started again, while everything requests read is cached: every request is answered, its usage
+    deferred to the outbox while the database is down and drained into it once it is back."""
+    async with launch() as platform:
+        outcomes = await platform.load(10, fault=cluster.stop, repair=cluster.start, client_timeout_s=30)
+        counts = await reconcile(platform, outcomes, max_elapsed_s=5.0)
+        deferred = platform.resources.usage.num_deferred
+    assert counts["503"] == 0 and counts["ok"] > 0, counts
+    assert deferred > 0, "the usage of no request met the outage"
 
 
 async def test_postgres_frozen_past_the_timeouts_answers_503_in_seconds(
@@ -376,7 +398,9 @@ async def test_postgres_frozen_past_the_timeouts_answers_503_in_seconds(
     """Frozen for 6 s with 1 s timeouts: requests that need the database answer 503 instead of hanging (the clients
     are patient here: they wait for the answer rather than give up)."""
     async with launch(database_statement_timeout_s=1.0, database_pool_timeout_s=1.0) as platform:
-        outcomes = await platform.load(15, fault=cluster.freeze, repair=cluster.thaw, client_timeout_s=30)
+        outcomes = await platform.load(
+            15, fault=platform.cold(cluster.freeze), repair=cluster.thaw, client_timeout_s=30
+        )
         counts = await reconcile(platform, outcomes, max_elapsed_s=6.0)
     assert counts["503"] > 0, counts
 
@@ -387,7 +411,7 @@ async def test_postgres_frozen_briefly_runs_nothing_for_clients_that_gave_up(
     """Frozen for 4 s, under timeouts longer than that: clients give up after 1.5 s, the requests resume when the
     database does, and the engine is not asked to run any of them; each is recorded as cancelled, zero tokens."""
     async with launch(database_statement_timeout_s=20.0, database_pool_timeout_s=20.0) as platform:
-        outcomes = await platform.load(10, fault=cluster.freeze, repair=cluster.thaw)
+        outcomes = await platform.load(10, fault=platform.cold(cluster.freeze), repair=cluster.thaw)
         # The client's timeout is httpx's, between reads: an answer begun just before the freeze may end after it.
         counts = await reconcile(platform, outcomes, max_elapsed_s=8.0)
     assert counts["gave_up"] > 0 and counts["cancelled_rows"] > 0, counts

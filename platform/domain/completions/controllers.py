@@ -24,6 +24,7 @@ from loraplex.platform.dependencies import AppResources, Principal
 from loraplex.platform.domain.adapters.service import ready_adapter_ref
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
+from loraplex.platform.domain.completions.lookups import model_not_found
 from loraplex.platform.domain.completions.schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.domain.completions.service import (
     Call,
@@ -31,7 +32,6 @@ from loraplex.platform.domain.completions.service import (
     engine_body,
     engine_error,
     estimate_tokens,
-    model_not_found,
     new_request_id,
     record_usage,
     record_usage_soon,

@@ -19,13 +19,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from loraplex.platform.auth import TenantPrincipal
-from loraplex.platform.domain.adapters.models import Adapter
-from loraplex.platform.domain.adapters.repository import AdapterRepository
 from loraplex.platform.domain.base_models.models import BaseModel
-from loraplex.platform.domain.base_models.repository import BaseModelRepository
+from loraplex.platform.domain.completions.lookups import Target, TenantTerms
 from loraplex.platform.domain.completions.schemas import ChatCompletionRequest, CompletionRequest
-from loraplex.platform.domain.endpoints.models import Endpoint
-from loraplex.platform.domain.endpoints.repository import EndpointRepository
 from loraplex.platform.domain.fleet.client import (
     OVERLOADED,
     EngineRequestError,
@@ -33,10 +29,8 @@ from loraplex.platform.domain.fleet.client import (
     EngineUnreachable,
 )
 from loraplex.platform.domain.fleet.registry import Replica
-from loraplex.platform.domain.tenants.repository import TenantRepository
 from loraplex.platform.domain.usage.recorder import UsageEvent
 from loraplex.platform.errors import RETRY_AFTER_S, ApiError, invalid_request
-from loraplex.platform.ratelimit import Limits
 from loraplex.platform.resources import Resources
 from loraplex.platform.service_tiers import ServiceTier
 
@@ -48,16 +42,6 @@ logger = logging.getLogger(__name__)
 MAX_REPLICA_TRIES = 3
 
 Request = ChatCompletionRequest | CompletionRequest
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """What `model` names for this tenant."""
-
-    model: str  # as the client wrote it
-    base_model: BaseModel
-    endpoint: Endpoint | None = None
-    adapter: Adapter | None = None
 
 
 @dataclass(slots=True)
@@ -110,66 +94,13 @@ class Call:
 
 async def resolve(resources: Resources, principal: TenantPrincipal, model: str) -> Target:
     """An endpoint of this tenant by name, else a base model by name; anything else (another tenant's endpoint
-    included) is 404 model_not_found."""
-    async with resources.sessions() as session:
-        endpoint = await EndpointRepository(session).get_by_name(model, principal.tenant_id)
-        base_models = BaseModelRepository(session)
-        if endpoint is not None:
-            base = await base_models.get(endpoint.base_model_id)
-            adapter = None
-            if endpoint.adapter_id is not None:
-                adapter = await AdapterRepository(session).get_readable_by_id(endpoint.adapter_id, principal.tenant_id)
-            if base is None or (endpoint.adapter_id is not None and adapter is None):
-                raise model_not_found(model)
-            return Target(model=model, base_model=base, endpoint=endpoint, adapter=adapter)
-        base = await base_models.get_by_name(model)
-        if base is None:
-            raise model_not_found(model)
-        return Target(model=model, base_model=base)
-
-
-def model_not_found(model: str) -> ApiError:
-    return ApiError(
-        404,
-        f"The model '{model}' does not exist or you do not have access to it.",
-        code="model_not_found",
-        param="model",
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class TenantTerms:
-    """What the tenant's record says about serving its requests, each value what an admin set, else the platform's
-    default; read once per request (`tenant_terms`)."""
-
-    limits: Limits  # per minute, the whole tenant
-    key_limits: Limits  # per minute, each API key (default: the tenant's whole budget)
-    max_concurrent_requests: int  # in flight at once, across the platform
-    fairness_weight: float  # the tenant's weight in the engines' fair share
-    service_tiers: list[ServiceTier]  # what `service_tier` may name
+    included) is 404 model_not_found. Cached (`CompletionLookups`)."""
+    return await resources.lookups.target(principal.tenant_id, model)
 
 
 async def tenant_terms(resources: Resources, principal: TenantPrincipal) -> TenantTerms:
-    """The tenant's terms, from one read of its row (a tenant deleted since its key was cached: the defaults)."""
-    settings = resources.settings
-    async with resources.sessions() as session:
-        tenant = await TenantRepository(session).get(principal.tenant_id)
-    requests = (tenant.requests_per_minute if tenant else None) or settings.default_requests_per_minute
-    tokens = (tenant.tokens_per_minute if tenant else None) or settings.default_tokens_per_minute
-    key_requests = (tenant.key_requests_per_minute if tenant else None) or requests
-    key_tokens = (tenant.key_tokens_per_minute if tenant else None) or tokens
-    cap = (tenant.max_concurrent_requests if tenant else None) or settings.default_max_concurrent_requests
-    return TenantTerms(
-        limits=Limits(requests, tokens),
-        key_limits=Limits(key_requests, key_tokens),
-        max_concurrent_requests=cap,
-        fairness_weight=tenant.fairness_weight if tenant else 1.0,
-        service_tiers=(
-            tenant.allowed_service_tiers(settings.default_service_tiers)
-            if tenant
-            else list(settings.default_service_tiers)
-        ),
-    )
+    """The tenant's terms (a tenant deleted since its key was cached: the defaults). Cached (`CompletionLookups`)."""
+    return await resources.lookups.terms(principal.tenant_id)
 
 
 def resolve_service_tier(requested: str | None, allowed: Sequence[ServiceTier]) -> ServiceTier:
