@@ -121,6 +121,10 @@ async def rows(sessions: async_sessionmaker[AsyncSession]) -> list[UsageRecord]:
         return list((await session.scalars(select(UsageRecord).order_by(UsageRecord.request_id))).all())
 
 
+async def _none_in_flight(recorder: UsageRecorder) -> bool:
+    return recorder.num_in_flight == 0
+
+
 async def count(sessions: async_sessionmaker[AsyncSession]) -> int:
     async with sessions() as session:
         return int(await session.scalar(select(func.count()).select_from(UsageRecord)) or 0)
@@ -169,6 +173,52 @@ class TestRecord:
             await task
         await recorder.close()  # waits for the shielded write, as the app's shutdown does
         assert [r.request_id for r in await rows(sessions)] == ["chatcmpl-disconnected"]
+
+    async def test_record_soon_writes_what_was_given_meanwhile_in_one_statement(
+        self, sessions: async_sessionmaker[AsyncSession], store: RedisStore, tenant_ids: list[uuid.UUID]
+    ) -> None:
+        recorder = open_usage_recorder(sessions, store)
+        statements: list[int] = []
+        insert = recorder._insert
+
+        async def counted(batch: list[dict[str, Any]]) -> int:
+            statements.append(len(batch))
+            return await insert(batch)
+
+        recorder._insert = counted  # type: ignore[method-assign]
+        sent = [event(tenant_ids[i % 2]) for i in range(5)]
+        for one in sent:
+            recorder.record_soon(one)
+        assert recorder.num_in_flight == 5
+        await wait_for_async(lambda: _none_in_flight(recorder), 5, what="the queued events to be written")
+        assert statements == [5]
+        assert {r.request_id for r in await rows(sessions)} == {e.request_id for e in sent}
+        assert recorder.num_deferred == 0
+
+    async def test_a_batch_the_database_refuses_keeps_its_good_rows(
+        self, sessions: async_sessionmaker[AsyncSession], store: RedisStore, tenant_ids: list[uuid.UUID]
+    ) -> None:
+        """One row refused for good (its tenant deleted since) must neither sink the rows queued with it nor be lost."""
+        recorder = open_usage_recorder(sessions, store)
+        good = [event(tenant_ids[0]), event(tenant_ids[1])]
+        orphan = event(uuid.uuid4())
+        for one in (good[0], orphan, good[1]):
+            recorder.record_soon(one)
+        await wait_for_async(lambda: _none_in_flight(recorder), 5, what="the queued events to be written")
+        assert {r.request_id for r in await rows(sessions)} == {e.request_id for e in good}
+        assert recorder.num_deferred == 1
+        [(_, fields)] = await store.redis.xrange(store.key(OUTBOX_KEY))
+        assert fields[b"event"] == orphan.encode()
+
+    async def test_close_writes_what_record_soon_was_given(
+        self, sessions: async_sessionmaker[AsyncSession], store: RedisStore, tenant_ids: list[uuid.UUID]
+    ) -> None:
+        recorder = UsageRecorder(sessions, [RedisOutbox(store)], linger_s=3600)  # the writer would wait an hour
+        sent = event(tenant_ids[0])
+        recorder.record_soon(sent)
+        await recorder.close(timeout_s=0.5)
+        # Not written by then: deferred, and the last drain of close moved it into the database.
+        assert [r.request_id for r in await rows(sessions)] == [sent.request_id]
 
     def test_events_are_checked_where_they_are_made(self) -> None:
         tenant_id = uuid.uuid4()

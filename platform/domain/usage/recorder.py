@@ -20,7 +20,7 @@ import itertools
 import json
 import logging
 import uuid
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from datetime import datetime
 from typing import Any, Protocol, cast
 
@@ -89,7 +89,8 @@ class UsageEvent:
             raise ValueError(f"usage event: service_tier must be one of {sorted(_TIERS)}, got {self.service_tier!r}")
 
     def row(self) -> dict[str, Any]:
-        return asdict(self)
+        # Every field holds an immutable value: a shallow copy is the row (asdict would deep-copy each one).
+        return {name: getattr(self, name) for name in _EVENT_FIELDS}
 
     def encode(self) -> bytes:
         values = self.row()
@@ -114,6 +115,9 @@ class UsageEvent:
         for name in ("started_at", "finished_at"):
             values[name] = datetime.fromisoformat(values[name])
         return cls(**values)
+
+
+_EVENT_FIELDS = tuple(f.name for f in fields(UsageEvent))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,6 +230,7 @@ class UsageRecorder:
         *,
         db_timeout_s: float = 5.0,
         batch_size: int = 200,
+        linger_s: float = 0.005,
     ) -> None:
         if not outboxes:
             raise ValueError("a usage recorder needs at least one outbox")
@@ -233,9 +238,13 @@ class UsageRecorder:
         self._outboxes = outboxes
         self._db_timeout_s = db_timeout_s
         self._batch_size = batch_size
+        self._linger_s = linger_s
         self._max_batches_per_drain = 50
         self._drain_lock = asyncio.Lock()
-        self._in_flight: set[asyncio.Task[Any]] = set()
+        self._in_flight: set[asyncio.Task[Any]] = set()  # `record` calls
+        self._queued: list[UsageEvent] = []  # by `record_soon`, for the writer
+        self._num_writing = 0  # events the writer has taken and not yet stored
+        self._writer: asyncio.Task[None] | None = None  # while events are queued or being written
         self.num_deferred = 0  # events that went to an outbox because the database write failed
         self.num_lost = 0  # events no outbox would take either (logged in full, at error level)
 
@@ -245,8 +254,9 @@ class UsageRecorder:
 
     @property
     def num_in_flight(self) -> int:
-        """`record` calls running or scheduled (`record_soon`) that have not finished."""
-        return len(self._in_flight)
+        """Events on their way to the database (or an outbox): in `record` calls running, or given to `record_soon`
+        and not yet stored."""
+        return len(self._in_flight) + len(self._queued) + self._num_writing
 
     async def record(self, event: UsageEvent) -> None:
         """Store `event` in the database, or else in an outbox. Never raises (but lets a cancellation through);
@@ -255,25 +265,53 @@ class UsageRecorder:
         if task is not None:
             self._in_flight.add(task)
         try:
-            await self._record(event)
+            await self._record([event])
         finally:
             if task is not None:
                 self._in_flight.discard(task)
 
     def record_soon(self, event: UsageEvent) -> None:
-        """`record` in a task of its own, so that the caller (a response ready to send) never waits on a slow
-        database; `close` waits for it."""
-        task = asyncio.ensure_future(self.record(event))
-        self._in_flight.add(task)
-        task.add_done_callback(self._in_flight.discard)
+        """`record` without waiting, so that the caller (a response ready to send) never waits on a slow database;
+        `close` waits for it. One writer task stores what is given here, all that was given while it waited or wrote
+        in one statement: under load a transaction per batch, not per request. It waits `linger_s` before its first
+        write, so that the response which gave the event goes out before the write takes the event loop."""
+        self._queued.append(event)
+        if self._writer is None:
+            self._writer = asyncio.ensure_future(self._write_queued())
 
-    async def _record(self, event: UsageEvent) -> None:
+    async def _write_queued(self) -> None:
+        try:
+            await asyncio.sleep(self._linger_s)
+            while self._queued:
+                batch = self._queued[: self._batch_size]
+                del self._queued[: len(batch)]
+                self._num_writing = len(batch)
+                try:
+                    await self._record(batch)
+                finally:
+                    self._num_writing = 0
+        finally:
+            # No await between the last look at the queue and this: an event queued later starts a new writer.
+            self._writer = None
+
+    async def _record(self, events: list[UsageEvent]) -> None:
+        """Insert `events` in one statement, else each on its own when the database refused one of them for good
+        (the others still go in now), else (the database is unreachable or slow) defer them all to an outbox."""
         try:
             async with asyncio.timeout(self._db_timeout_s):
-                await self._insert([event.row()])
+                await self._insert([event.row() for event in events])
             return
-        except Exception as exc:  # whatever the database did, the event must not be lost: defer it
-            logger.warning("usage %s: database write failed (%r); deferring to the outbox", event.request_id, exc)
+        except Exception as exc:  # whatever the database did, no event may be lost: defer it
+            if len(events) > 1 and _refused_for_good(exc):
+                for event in events:
+                    await self._record([event])
+                return
+            for event in events:
+                logger.warning("usage %s: database write failed (%r); deferring to the outbox", event.request_id, exc)
+        for event in events:
+            await self._defer(event)
+
+    async def _defer(self, event: UsageEvent) -> None:
         payload = event.encode()
         for outbox in self._outboxes:
             try:
@@ -377,11 +415,19 @@ class UsageRecorder:
                 logger.info("usage drainer: %d deferred events written", drained)
 
     async def close(self, timeout_s: float = 10.0) -> None:
-        """At shutdown, before the database closes: wait (at most `timeout_s`) for `record` calls still running, then
-        drain once more, since the in-process outbox dies with the process. What is still there is logged in full."""
+        """At shutdown, before the database closes: wait (at most `timeout_s`) for `record` calls and the writer still
+        running, move what the writer has not taken to an outbox, then drain once more, since the in-process outbox
+        dies with the process. What is still there is logged in full."""
         pending = {t for t in self._in_flight if t is not asyncio.current_task()}
+        if self._writer is not None:
+            pending.add(self._writer)
         if pending:
             await asyncio.wait(pending, timeout=timeout_s)
+        stranded, self._queued = self._queued, []
+        for event in stranded:
+            await self._defer(event)
+        if self._writer is not None and not self._num_writing:  # still waiting to write: nothing left for it
+            self._writer.cancel()
         try:
             async with asyncio.timeout(timeout_s):
                 await self.drain_once()

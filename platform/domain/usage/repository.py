@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, and_, func, or_, select
+from sqlalchemy import Table, and_, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -31,21 +31,26 @@ class UsageRepository:
 
     async def add_if_absent(self, rows: Sequence[dict[str, Any]]) -> int:
         """Insert `rows` (UsageRecord column values), skipping any whose request id is already stored; returns how
-        many were inserted. A replay or retry of a request therefore never counts twice."""
+        many were inserted. A replay or retry of a request therefore never counts twice.
+
+        One statement whatever the rows (their values bound as parameters, not written into it), so it is compiled
+        once per process; the ids it returns are the rows the conflict clause let in."""
         if not rows:
             return 0
-        dialect = self._session.get_bind().dialect.name
+        connection = await self._session.connection()
+        dialect = connection.dialect.name
+        table = cast(Table, UsageRecord.__table__)  # Core, not the ORM's bulk path: the rows are plain values
         if dialect == "postgresql":
-            stmt: Any = postgresql.insert(UsageRecord).values(list(rows))
+            stmt: Any = postgresql.insert(table)
         elif dialect == "sqlite":
-            stmt = sqlite.insert(UsageRecord).values(list(rows))
+            stmt = sqlite.insert(table)
         else:
             raise NotImplementedError(
                 f"usage inserts need ON CONFLICT, which loraplex has only for Postgres and SQLite, not {dialect}"
             )
-        result = await self._session.execute(stmt.on_conflict_do_nothing(index_elements=[UsageRecord.request_id]))
-        # An INSERT's result is a CursorResult; its rowcount skips the rows the conflict clause dropped.
-        return int(cast(CursorResult[Any], result).rowcount)
+        stmt = stmt.on_conflict_do_nothing(index_elements=[table.c.request_id]).returning(table.c.request_id)
+        result = await connection.execute(stmt, list(rows))
+        return len(result.all())
 
     async def get_readable_by_id(self, request_id: str, tenant_id: TenantId) -> UsageRecord | None:
         found: UsageRecord | None = await self._session.scalar(
