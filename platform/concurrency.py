@@ -270,7 +270,8 @@ class HeldLease:
     """An admitted request's lease, renewed in the background from construction until `release()`, which the
     request's owner calls once it has ended (idempotent). Construct it inside a running event loop.
 
-    The renewing task refers to its holder only weakly: a holder dropped without `release()` (a response object
+    Renewals are timers of the event loop that start a renewal only when one is due (most requests end long
+    before): a timer refers to its holder only weakly, so a holder dropped without `release()` (a response object
     discarded before it was ever sent) stops the renewals, and the lease expires within `ttl_s` instead of living
     as long as the process.
     """
@@ -279,28 +280,39 @@ class HeldLease:
         self._leases = leases
         self.lease = lease
         self._released = False
-        self._renewer: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._renewal: asyncio.Task[None] | None = None
         if lease.tracked:
-            self._renewer = asyncio.create_task(_renew_while_held(leases, lease, weakref.ref(self)))
+            self._schedule_renewal()
 
     async def release(self) -> None:
         """Stop renewing and free the slot; shielded, so a cancelled request (its client gone) still frees it."""
         if self._released:
             return
         self._released = True
-        if self._renewer is not None:
-            self._renewer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._renewal is not None:
+            self._renewal.cancel()
         await asyncio.shield(self._leases.release(self.lease))
 
+    def _schedule_renewal(self) -> None:
+        interval_s = self._leases.ttl_s / 3  # two renewals may fail (a Redis blip) before the lease expires
+        holder = weakref.ref(self)
+        self._timer = asyncio.get_running_loop().call_later(interval_s, _renewal_due, holder, self.lease)
 
-async def _renew_while_held(leases: Leases, lease: Lease, holder: weakref.ref[HeldLease]) -> None:
-    interval_s = leases.ttl_s / 3  # two renewals may fail (a Redis blip) before the lease expires
-    while True:
-        await asyncio.sleep(interval_s)
-        if holder() is None:
-            logger.warning("lease %s was dropped without a release; it expires on its own", lease.lease_id)
-            return
+    async def _renew(self) -> None:
         try:
-            await leases.renew(lease)
-        except Exception:  # renew never raises by contract; a renewer must outlive whatever it met
-            logger.exception("lease %s could not be renewed", lease.lease_id)
+            await self._leases.renew(self.lease)
+        except Exception:  # renew never raises by contract; the renewals must outlive whatever one of them met
+            logger.exception("lease %s could not be renewed", self.lease.lease_id)
+        if not self._released:
+            self._schedule_renewal()
+
+
+def _renewal_due(holder: weakref.ref[HeldLease], lease: Lease) -> None:
+    held = holder()
+    if held is None:
+        logger.warning("lease %s was dropped without a release; it expires on its own", lease.lease_id)
+        return
+    held._renewal = asyncio.ensure_future(held._renew())

@@ -146,6 +146,8 @@ async def complete(
 
 
 async def _unwatch(gone: asyncio.Future[None]) -> None:
+    if gone.done():  # already unwatched (`_unless_disconnected` does), or the client left: nothing to wait for
+        return
     gone.cancel()
     await asyncio.gather(gone, return_exceptions=True)
 

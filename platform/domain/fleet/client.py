@@ -145,6 +145,10 @@ class HttpEngineClient:
         await self._client.aclose()
 
 
+# Queued after the in-process app's last message, when its task has ended (compared by identity).
+_APP_ENDED: Message = {"type": "loraplex.app_ended"}
+
+
 class InProcessEngineClient:
     """Runs requests through the engine's ASGI app in this process, streaming the body as the app sends it."""
 
@@ -184,6 +188,7 @@ class InProcessEngineClient:
             "state": {},
         }
         task: asyncio.Task[None] = asyncio.create_task(self._app(scope, receive, send))
+        task.add_done_callback(lambda _: chunks.put_nowait(_APP_ENDED))  # after every message it sent
         try:
             start = await self._next(chunks, task)
             status = int(start.get("status", 500))
@@ -220,17 +225,12 @@ class InProcessEngineClient:
 
     @staticmethod
     async def _next(chunks: asyncio.Queue[Message], task: asyncio.Task[None]) -> Message:
-        getter = asyncio.ensure_future(chunks.get())
-        try:
-            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            getter.cancel()  # we are cancelled (the client went away): leave no orphaned getter behind
-            raise
-        if getter in done:
-            return getter.result()
-        getter.cancel()
-        error = task.exception()
-        raise EngineUnavailable(f"the in-process engine stopped answering: {error}")
+        """The app's next message; after the last one, `_APP_ENDED` (queued when its task ends) raises. A message
+        already queued is taken without waiting on the event loop."""
+        message = await chunks.get()
+        if message is _APP_ENDED:
+            raise EngineUnavailable(f"the in-process engine stopped answering: {task.exception()}")
+        return message
 
     async def close(self) -> None:
         return None
