@@ -390,18 +390,19 @@ def reasoning(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
     return lines
 
 
-# The platform's timed steps, as a user would name them; a step not named here shows under its own name.
+# The platform's timed steps, as a user would name them, in a request's order; a step not named here shows under its
+# own name, after them.
 PLATFORM_STEPS = {
     "authenticate": "key check",
     "resolve": "model lookup",
     "tenant_terms": "tenant's terms",
+    "engine_body": "request body",
     "route": "routing",
     "rate_limit": "rate limit",
     "lease": "concurrency lease",
-    "lease_release": "lease release",
-    "engine_body": "request body",
     "_collect": "engine call",
     "record_usage_soon": "usage record",
+    "lease_release": "lease release",
 }
 PLATFORM_WHOLE = "in_app"  # the whole request inside the platform's app: not a step
 SETUP_WORDS = {"embedded": "embedded (SQLite, in-process store)", "services": "services (Postgres, Redis)"}
@@ -412,15 +413,10 @@ def platform_overhead(doc: dict[str, Any], results: Results, plots: Plots) -> li
     own_work = all("platform_work_p50_ms" in setup for setup in setups.values())
     rows = []
     for name, setup in setups.items():
-        steps = sorted(
-            ((step, value) for step, value in setup["steps_p50_ms"].items() if step != PLATFORM_WHOLE),
-            key=lambda item: -item[1],
-        )
         row = [SETUP_WORDS.get(name, name), ms(setup["platform"]["p50_ms"]), ms(setup["engine"]["p50_ms"])]
         row.append(f"**{ms(setup['added_p50_ms'])}**")
         if own_work:
             row.append(ms(setup["platform_work_p50_ms"]))
-        row.append(", ".join(f"{PLATFORM_STEPS.get(step, step)} {value:.1f}" for step, value in steps[:4]))
         rows.append(row)
     requests = next(iter(setups.values()))["requests"]
     lines = [
@@ -430,8 +426,25 @@ def platform_overhead(doc: dict[str, Any], results: Results, plots: Plots) -> li
         "",
     ]
     header = ["setup", "platform p50", "engine p50", "added"]
-    header += ["platform's own work p50"] if own_work else []
-    lines += table([*header, "largest steps, p50 ms"], rows)
+    header += ["platform's own work p50 (in its app, less the engine call)"] if own_work else []
+    lines += table(header, rows)
+    # Every step any setup timed, in the order of PLATFORM_STEPS (a request's order), then any other.
+    timed = {step for setup in setups.values() for step in setup["steps_p50_ms"]} - {PLATFORM_WHOLE}
+    steps = [step for step in PLATFORM_STEPS if step in timed] + sorted(timed - set(PLATFORM_STEPS))
+    lines += ["", "Each step of the same requests, p50 ms:", ""]
+    lines += table(
+        ["step", *(SETUP_WORDS.get(name, name) for name in setups)],
+        [
+            [
+                PLATFORM_STEPS.get(step, step),
+                *(
+                    f"{setup['steps_p50_ms'][step]:.2f}" if step in setup["steps_p50_ms"] else "—"
+                    for setup in setups.values()
+                ),
+            ]
+            for step in steps
+        ],
+    )
     saturation = [(name, setup["throughput"]) for name, setup in setups.items() if "throughput" in setup]
     if saturation:
         clients = saturation[0][1]["clients"]
