@@ -34,13 +34,15 @@ class Benchmark:
 BENCHMARKS: dict[str, Benchmark] = {
     "suite": Benchmark(f"{PYTHON} benchmarks/suite.py", "online serving: latency under load, adapters, pool, cache"),
     "engine_throughput": Benchmark(
-        f"{PYTHON} benchmarks/engine_throughput.py --repeats 3", "offline throughput against transformers"
+        f"{PYTHON} benchmarks/engine_throughput.py --repeats 1 --batch-sizes 32,64",
+        "offline throughput against transformers",
     ),
     "engine_throughput_bfloat16": Benchmark(
         f"{PYTHON} benchmarks/engine_throughput.py --dtype bfloat16", "the same in bfloat16"
     ),
     "lora_throughput": Benchmark(
-        f"{PYTHON} benchmarks/lora_throughput.py --repeats 3", "offline multi-LoRA throughput against peft"
+        f"{PYTHON} benchmarks/lora_throughput.py --repeats 1 --batch-sizes 64",
+        "offline multi-LoRA throughput against peft",
     ),
     "quant_throughput": Benchmark(f"{PYTHON} benchmarks/quant_throughput.py", "quantized weights: speed and memory"),
     "quant_quality": Benchmark(f"{PYTHON} benchmarks/quant_quality.py", "quantized weights: perplexity"),

@@ -172,7 +172,7 @@ def test_without_any_results_the_page_names_the_commands_and_old_plots_go(
 
     assert "No results files: `make bench` measures them." in page
     assert "`.venv/bin/python benchmarks/suite.py` writes `benchmarks/results/suite.json`" in page
-    assert "`.venv/bin/python benchmarks/engine_throughput.py --repeats 3` writes" in page
+    assert "`.venv/bin/python benchmarks/engine_throughput.py --repeats 1 --batch-sizes 32,64` writes" in page
     assert any("benchmarks/suite.py" in line for line in left_out)
     assert list(plots.glob("*.png")) == []
     assert "![" not in page
