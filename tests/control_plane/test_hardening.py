@@ -269,6 +269,12 @@ def test_loosely_typed_admin_and_tenant_fields_are_400_and_exact_ones_pass(platf
     problem(platform.admin("POST", "/admin/tenants", json={"name": 5}))
     problem(platform.admin("PATCH", f"/admin/tenants/{tenant.id}", json={"limits": {"requests_per_minute": "5"}}))
     problem(platform.admin("PATCH", f"/admin/tenants/{tenant.id}", json={"limits": {"requests_per_minute": True}}))
+    # Past the limits' 32-bit columns: a 400 naming the bound, not a database error; the largest value is stored.
+    too_many = {"limits": {"tokens_per_minute": 2**31}}
+    problem(platform.admin("PATCH", f"/admin/tenants/{tenant.id}", json=too_many))
+    largest = {"limits": {"tokens_per_minute": 2**31 - 1, "key_tokens_per_minute": 2**31 - 1}}
+    response = platform.admin("PATCH", f"/admin/tenants/{tenant.id}", json=largest)
+    assert response.status_code == 200, response.text
     defaults = {"name": "typed", "base_model": platform.base_model, "defaults": {"max_tokens": "4"}}
     openai_error(platform.post(tenant, "/v1/endpoints", json=defaults))
     # What the JSON form of a UUID, a decimal, a timestamp or an enum is (a string) still passes.

@@ -34,6 +34,7 @@ from loraplex.platform.domain.tenants.models import MAX_FAIRNESS_WEIGHT, Tenant
 from loraplex.platform.domain.tenants.schemas import (
     LIMIT_FIELDS,
     MAX_CONCURRENT_REQUESTS,
+    MAX_PER_MINUTE,
     TenantCreate,
     TenantOut,
     TenantPatch,
@@ -60,10 +61,10 @@ class LimitField:
 
 
 LIMITS = (
-    LimitField("requests_per_minute", "Requests per minute", "whole tenant", 10**12),
-    LimitField("tokens_per_minute", "Tokens per minute", "whole tenant; prompt + max_tokens", 10**12),
-    LimitField("key_requests_per_minute", "Requests per minute per key", "each API key", 10**12),
-    LimitField("key_tokens_per_minute", "Tokens per minute per key", "each API key", 10**12),
+    LimitField("requests_per_minute", "Requests per minute", "whole tenant", MAX_PER_MINUTE),
+    LimitField("tokens_per_minute", "Tokens per minute", "whole tenant; prompt + max_tokens", MAX_PER_MINUTE),
+    LimitField("key_requests_per_minute", "Requests per minute per key", "each API key", MAX_PER_MINUTE),
+    LimitField("key_tokens_per_minute", "Tokens per minute per key", "each API key", MAX_PER_MINUTE),
     LimitField("max_concurrent_requests", "Max concurrent requests", "across the platform", MAX_CONCURRENT_REQUESTS),
 )
 LABELS = {

@@ -23,7 +23,9 @@ LIMIT_FIELDS = (
 )
 MAX_CONCURRENT_REQUESTS = 10**6
 
-PerMinute = Annotated[int, Field(ge=1, le=10**12)]
+# The limits' columns are 32-bit integers (tenants/models.py): a larger value would be a database error, not a 400.
+MAX_PER_MINUTE = 2**31 - 1
+PerMinute = Annotated[int, Field(ge=1, le=MAX_PER_MINUTE)]
 Concurrency = Annotated[int, Field(ge=1, le=MAX_CONCURRENT_REQUESTS)]
 FairnessWeight = Annotated[
     float,
