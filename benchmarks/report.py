@@ -345,14 +345,14 @@ class Page:
         self.lines += [
             "## Reproduce",
             "",
-            "`make bench` runs the CPU suite in under 20 minutes on 2 cores (offline throughput, multi-LoRA,"
-            " quantized weights, platform overhead, then the serving suite, with fewer repeats than the commands"
-            " below) and regenerates this page. `make bench-gpu` runs scripts/bench_gpu.sh on a machine with a CUDA"
-            " GPU. One benchmark alone: its command, then `.venv/bin/python benchmarks/report.py`.",
+            "`make bench` runs the CPU suite (offline throughput, multi-LoRA, quantized weights, platform overhead,"
+            " then the serving suite, with fewer repeats than some commands above; about 22 minutes on 2 cores in its"
+            " last sitting) and regenerates this page. `make bench-gpu` runs scripts/bench_gpu.sh on a machine with a"
+            " CUDA GPU. One benchmark alone: the command beside its figures, then `.venv/bin/python"
+            " benchmarks/report.py`. The per-call kernel microbenchmarks (`benchmarks/attention_cpu.py`, `sgmv_cpu.py`,"
+            " `quant_cpu.py`) are investigation tools: their findings are in docs/decisions/0025, 0028 and 0036.",
             "",
         ]
-        self.lines += [f"- `{b.command}`: {b.what}" for b in BENCHMARKS.values()]
-        self.lines.append("")
 
     def left_out_lines(self) -> None:
         if not self.left_out:

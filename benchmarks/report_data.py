@@ -57,9 +57,6 @@ BENCHMARKS: dict[str, Benchmark] = {
         f"{PYTHON} benchmarks/platform_overhead.py --setup both", "what the platform adds per request"
     ),
     "decode_profile": Benchmark(f"{PYTHON} benchmarks/decode_profile.py", "the matmul floor of the offline trace"),
-    "attention_cpu": Benchmark(f"{PYTHON} benchmarks/attention_cpu.py", "paged attention kernel, CPU path"),
-    "sgmv_cpu": Benchmark(f"{PYTHON} benchmarks/sgmv_cpu.py", "LoRA shrink/expand kernels, CPU path"),
-    "quant_cpu": Benchmark(f"{PYTHON} benchmarks/quant_cpu.py", "quantized matmul kernels, CPU path"),
 }
 
 

@@ -2,8 +2,7 @@
 
 A part renders from its results file (and may read others through `Results`); it raises `KeyError` and the like
 when the file lacks what it needs, and benchmarks/report.py then leaves the part out with a line that names the
-command writing the file. The suite's parts (the serving sweeps) are in report_suite.py, the kernels' in
-report_kernels.py.
+command writing the file. The suite's parts (the serving sweeps) are in report_suite.py.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import report_kernels
 import report_plots
 import report_suite
 from report_data import Results, mib, ms, num, pct, table, writes, x
@@ -482,12 +480,4 @@ SECTIONS: tuple[Section, ...] = (
     Section("Fair share under a flood", (Part("fairness", fairness),)),
     Section("Reasoning effort tiers", (Part("reasoning", reasoning),)),
     Section("What the platform adds per request", (Part("platform_overhead", platform_overhead),)),
-    Section(
-        "Kernels on the CPU",
-        (
-            Part("attention_cpu", report_kernels.attention_cpu),
-            Part("sgmv_cpu", report_kernels.sgmv_cpu),
-            Part("quant_cpu", report_kernels.quant_cpu),
-        ),
-    ),
 )
