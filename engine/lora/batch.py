@@ -18,6 +18,12 @@ from loraplex.engine.lora.manager import AdapterEntry, AdapterManager
 from loraplex.kernels import native
 from loraplex.kernels.sgmv import sgmv_expand, sgmv_shrink
 
+
+def _lora_add(*args: torch.Tensor) -> None:
+    """The native operator (kernels/csrc/cpu_ops.cpp); a module function, so a test can count its calls."""
+    torch.ops.loraplex_cpu.lora_add(*args)
+
+
 # Steps whose adapter segments are all at most this long run LoRA on one thread (see LoraCompute.add).
 SINGLE_THREAD_MAX_ROWS = 64
 
@@ -40,15 +46,18 @@ class LoraBatch:
     seg_starts: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int32))  # [segments + 1]
     seg_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # [segments]
     longest: int = 0  # rows of the longest adapter segment
-    # (start, end, slot) of the adapter segments as an int64 [k, 3] tensor: the native operator's input, made on
-    # first use and shared by every layer of the step.
-    _adapter_segments: torch.Tensor | None = None
+    # The adapter segments as the native operator reads them, (start, end, slot) rows of an int64 [k, 3] tensor, or
+    # None when a slot's pages are not one run: worked out at the first layer that asks, shared by the step's others.
+    _native_segments: torch.Tensor | None = None
+    _native_checked: bool = False
 
-    def adapter_segments(self) -> torch.Tensor:
-        if self._adapter_segments is None:
+    def native_segments(self, bases: Sequence[int | None]) -> torch.Tensor | None:
+        if not self._native_checked:
             rows = [segment for segment in self.host if segment[2] >= 0]
-            self._adapter_segments = torch.tensor(rows, dtype=torch.int64).view(-1, 3)
-        return self._adapter_segments
+            if all(bases[slot] is not None for _, _, slot in rows):
+                self._native_segments = torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+            self._native_checked = True
+        return self._native_segments
 
     def __bool__(self) -> bool:
         return any(segment.adapter is not None for segment in self.segments)
@@ -144,14 +153,15 @@ class LoraCompute:
         table = self._tables.get((layer, group))
         if table is None or table.max_rank == 0:
             return
-        if x.device.type == "cpu" and batch.longest <= SINGLE_THREAD_MAX_ROWS and self._native_fits(batch, x, y):
+        segments = self._native_segments(batch, x, y) if batch.longest <= SINGLE_THREAD_MAX_ROWS else None
+        if segments is not None:
             # Decode-sized segments of float32 adapters in contiguous slots: one native call for the whole
             # projection instead of a shrink and expands per segment (kernels/csrc/cpu_ops.cpp, lora_add).
-            torch.ops.loraplex_cpu.lora_add(
+            _lora_add(
                 x,
                 y,
                 self.adapters.pool.storage[layer].view(-1),
-                batch.adapter_segments(),
+                segments,
                 self._native_bases,
                 table.a_offsets,
                 table.native_ranks,
@@ -170,14 +180,14 @@ class LoraCompute:
         else:
             self._add(batch, layer, table, x, y)
 
-    def _native_fits(self, batch: LoraBatch, x: torch.Tensor, y: torch.Tensor) -> bool:
-        """Whether the native operator computes this call: built and loaded, float32 throughout, rows contiguous,
-        and every adapter slot of the step in one ascending run of pages (the pool's usual case)."""
+    def _native_segments(self, batch: LoraBatch, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """The step's segments for the native operator, or None when it does not compute this call: not built or
+        loaded, not float32, rows not contiguous, or an adapter slot of the step not in one ascending run of pages."""
         if not self._native or x.dtype != torch.float32 or y.dtype != torch.float32:
-            return False
+            return None
         if x.stride(1) != 1 or y.stride(1) != 1:
-            return False
-        return all(slot < 0 or self._bases[slot] is not None for _, _, slot in batch.host)
+            return None
+        return batch.native_segments(self._bases)
 
     def _add(self, batch: LoraBatch, layer: int, table: _GroupTable, x: torch.Tensor, y: torch.Tensor) -> None:
         pool = self.adapters.pool

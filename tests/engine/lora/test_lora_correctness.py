@@ -13,6 +13,8 @@ import torch
 from _support.adapters import make_peft_adapter, peft_logits
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
+from loraplex.engine.lora import batch as batch_module
+from loraplex.kernels import native
 
 pytestmark = pytest.mark.unit
 
@@ -126,3 +128,25 @@ def test_adapters_evicted_and_reloaded(base_and_adapters: tuple[Path, dict[str, 
     _run_mixed(llm, base, adapters, seed=2)
     _run_mixed(llm, base, adapters, seed=3)
     assert len(llm.engine.adapters.resident()) <= 3
+
+
+def test_decode_steps_go_through_the_native_operator(
+    base_and_adapters: tuple[Path, dict[str, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the native CPU operators built (`make` builds them), decode-sized LoRA steps call lora_add, and the
+    rows still match peft: the torch path is not silently taken instead."""
+    if not native.load():
+        pytest.fail("the native CPU operators are not built: `make` builds them", pytrace=False)
+    calls = 0
+    lora_add = torch.ops.loraplex_cpu.lora_add
+
+    def counted(*args: Any) -> None:
+        nonlocal calls
+        calls += 1
+        lora_add(*args)
+
+    monkeypatch.setattr(batch_module, "_lora_add", counted)
+    base, adapters = base_and_adapters
+    llm = LLM(base, dtype="float32", device="cpu", kv_budget=8 * 2**20, max_model_len=256)
+    _run_mixed(llm, base, adapters, seed=4, rows=10)
+    assert calls > 0
