@@ -104,11 +104,18 @@ def concurrency_error(decision: LeaseDecision) -> ApiError:
     return ApiError(429, message, code="concurrency_limit_exceeded", headers=headers)
 
 
-def _new_lease_id() -> str:
+def new_lease_id() -> str:
     return secrets.token_hex(12)
 
 
-def _check(cap: int) -> None:
+def decision(tenant_id: str, cap: int, lease_id: str, admitted: int, held: int) -> LeaseDecision:
+    """The verdict from `acquire_lease`'s result."""
+    if admitted != 1:
+        return LeaseDecision(cap, held, refusal=LeaseRefusal.OVER_CAP)
+    return LeaseDecision(cap, held, lease=Lease(tenant_id, lease_id))
+
+
+def check_cap(cap: int) -> None:
     if cap < 1:
         raise ValueError(f"a concurrency cap must be at least 1, got {cap}")
 
@@ -117,21 +124,32 @@ def _check(cap: int) -> None:
 # Redis
 
 
-# KEYS[1]: the tenant's lease set. ARGV: ttl (ms), cap, lease id. Returns {admitted (0|1), leases held after}.
-# The key's own expiry is pushed to the newest lease's: a tenant gone idle leaves nothing behind.
-_ACQUIRE_LUA = """
+# Taking a lease, as a Lua function that the leases' own script and the admission script (admission.py: limits and
+# lease in one round trip) both call. acquire_lease(key, now (ms), ttl (ms), cap, lease id): drops the expired
+# members, admits if fewer than `cap` remain. Returns {admitted (0|1), leases held after}. The key's own expiry is
+# pushed to the newest lease's: a tenant gone idle leaves nothing behind.
+ACQUIRE_LUA_FUNCTION = """
+local function acquire_lease(key, now, ttl, cap, lease_id)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  local held = redis.call('ZCARD', key)
+  if held >= cap then
+    return {0, held}
+  end
+  redis.call('ZADD', key, now + ttl, lease_id)
+  redis.call('PEXPIRE', key, ttl)
+  return {1, held + 1}
+end
+"""
+
+# KEYS[1]: the tenant's lease set. ARGV: ttl (ms), cap, lease id.
+_ACQUIRE_LUA = (
+    ACQUIRE_LUA_FUNCTION
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local held = redis.call('ZCARD', KEYS[1])
-if held >= tonumber(ARGV[2]) then
-  return {0, held}
-end
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ttl)
-return {1, held + 1}
+return acquire_lease(KEYS[1], now, tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3])
 """
+)
 
 # KEYS[1]: the tenant's lease set. ARGV: ttl (ms), lease id. Returns 1 when the lease had expired (taken again).
 _RENEW_LUA = """
@@ -163,33 +181,40 @@ class RedisLeases:
     def ttl_s(self) -> float:
         return self._ttl_ms / 1000
 
-    def _key(self, tenant_id: str) -> str:
+    @property
+    def ttl_ms(self) -> int:
+        return self._ttl_ms
+
+    def key(self, tenant_id: str) -> str:
+        """The tenant's lease set."""
         return self._store.key(f"concurrency:{{{tenant_id}}}")
 
     async def acquire(self, tenant_id: str, *, cap: int) -> LeaseDecision:
-        _check(cap)
-        lease_id = _new_lease_id()
+        check_cap(cap)
+        lease_id = new_lease_id()
         try:
-            admitted, held = await self._acquire(keys=[self._key(tenant_id)], args=[self._ttl_ms, cap, lease_id])
+            admitted, held = await self._acquire(keys=[self.key(tenant_id)], args=[self._ttl_ms, cap, lease_id])
         except _REDIS_FAILURES:
-            logger.warning(
-                "concurrency limiter: Redis unreachable; policy %r %s the request",
-                self._policy,
-                "admits" if self._policy == "open" else "refuses",
-                exc_info=True,
-            )
-            if self._policy == "open":
-                return LeaseDecision(cap, 0, lease=Lease(tenant_id, lease_id, tracked=False))
-            return LeaseDecision(cap, 0, refusal=LeaseRefusal.UNAVAILABLE)
-        if int(admitted) != 1:
-            return LeaseDecision(cap, int(held), refusal=LeaseRefusal.OVER_CAP)
-        return LeaseDecision(cap, int(held), lease=Lease(tenant_id, lease_id))
+            return self.unavailable(tenant_id, cap, lease_id)
+        return decision(tenant_id, cap, lease_id, int(admitted), int(held))
+
+    def unavailable(self, tenant_id: str, cap: int, lease_id: str) -> LeaseDecision:
+        """The decision when Redis did not answer: the failure policy's (call from the `except` that caught it)."""
+        logger.warning(
+            "concurrency limiter: Redis unreachable; policy %r %s the request",
+            self._policy,
+            "admits" if self._policy == "open" else "refuses",
+            exc_info=True,
+        )
+        if self._policy == "open":
+            return LeaseDecision(cap, 0, lease=Lease(tenant_id, lease_id, tracked=False))
+        return LeaseDecision(cap, 0, refusal=LeaseRefusal.UNAVAILABLE)
 
     async def renew(self, lease: Lease) -> None:
         if not lease.tracked:
             return
         try:
-            lost = await self._renew(keys=[self._key(lease.tenant_id)], args=[self._ttl_ms, lease.lease_id])
+            lost = await self._renew(keys=[self.key(lease.tenant_id)], args=[self._ttl_ms, lease.lease_id])
         except _REDIS_FAILURES:
             logger.warning("concurrency limiter: Redis unreachable; lease %s not renewed", lease.lease_id)
             return
@@ -200,7 +225,7 @@ class RedisLeases:
         if not lease.tracked:
             return
         try:
-            await self._store.redis.zrem(self._key(lease.tenant_id), lease.lease_id)
+            await self._store.redis.zrem(self.key(lease.tenant_id), lease.lease_id)
         except _REDIS_FAILURES:
             logger.warning("concurrency limiter: Redis unreachable; lease %s expires on its own", lease.lease_id)
 
@@ -225,14 +250,14 @@ class MemoryLeases:
         return self._ttl_s
 
     async def acquire(self, tenant_id: str, *, cap: int) -> LeaseDecision:
-        _check(cap)
+        check_cap(cap)
         # No await between reading and writing: atomic within the event loop.
         now = self._clock()
         live = {i: expiry for i, expiry in self._expiries.get(tenant_id, {}).items() if expiry > now}
         if len(live) >= cap:
             self._expiries[tenant_id] = live
             return LeaseDecision(cap, len(live), refusal=LeaseRefusal.OVER_CAP)
-        lease = Lease(tenant_id, _new_lease_id())
+        lease = Lease(tenant_id, new_lease_id())
         live[lease.lease_id] = now + self._ttl_s
         self._expiries[tenant_id] = live
         return LeaseDecision(cap, len(live), lease=lease)
@@ -287,14 +312,27 @@ class HeldLease:
 
     async def release(self) -> None:
         """Stop renewing and free the slot; shielded, so a cancelled request (its client gone) still frees it."""
+        if self._stop():
+            await asyncio.shield(self._leases.release(self.lease))
+
+    def release_soon(self) -> asyncio.Task[None] | None:
+        """Stop renewing now and free the slot in a task of its own (None when released already): for an answer
+        that must not wait for the store. The caller keeps the task until it is done (the loop holds tasks only
+        weakly); a release that fails or never runs (the process ends) leaves the lease to expire within `ttl_s`."""
+        if not self._stop():
+            return None
+        return asyncio.ensure_future(self._leases.release(self.lease))
+
+    def _stop(self) -> bool:
+        """Stop the renewals; whether this was the first release."""
         if self._released:
-            return
+            return False
         self._released = True
         if self._timer is not None:
             self._timer.cancel()
         if self._renewal is not None:
             self._renewal.cancel()
-        await asyncio.shield(self._leases.release(self.lease))
+        return True
 
     def _schedule_renewal(self) -> None:
         interval_s = self._leases.ttl_s / 3  # two renewals may fail (a Redis blip) before the lease expires

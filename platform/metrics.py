@@ -161,6 +161,17 @@ class PlatformMetrics:
         if not decision.allowed and decision.refusal is not None:
             self.ratelimit_refusals.labels(tenant_id, decision.refusal.value).inc()
 
+    def count_lease(self, tenant_id: str, decision: LeaseDecision) -> None:
+        """Count a lease decision: a lease taken is in flight until its release (`CountingLeases.release`)."""
+        if decision.lease is not None:
+            self.requests_in_flight.labels(tenant_id).inc()
+            if not decision.lease.tracked:
+                self.concurrency_unavailable.inc()
+        elif decision.refusal is not None:
+            self.concurrency_refusals.labels(tenant_id, decision.refusal.value).inc()
+            if decision.refusal is LeaseRefusal.UNAVAILABLE:
+                self.concurrency_unavailable.inc()
+
     def count_overloaded(self, tenant_id: str) -> None:
         """Count a request refused because every replica tried was full (once per request, where relay gives up)."""
         self.overloaded.labels(tenant_id).inc()
@@ -208,15 +219,7 @@ class CountingLeases:
 
     async def acquire(self, tenant_id: str, *, cap: int) -> LeaseDecision:
         decision = await self._inner.acquire(tenant_id, cap=cap)
-        metrics = self._metrics
-        if decision.lease is not None:
-            metrics.requests_in_flight.labels(tenant_id).inc()
-            if not decision.lease.tracked:
-                metrics.concurrency_unavailable.inc()
-        elif decision.refusal is not None:
-            metrics.concurrency_refusals.labels(tenant_id, decision.refusal.value).inc()
-            if decision.refusal is LeaseRefusal.UNAVAILABLE:
-                metrics.concurrency_unavailable.inc()
+        self._metrics.count_lease(tenant_id, decision)
         return decision
 
     async def renew(self, lease: Lease) -> None:

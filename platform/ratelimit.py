@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from redis.exceptions import RedisError
 
@@ -181,51 +181,63 @@ def _unavailable(policy: FailurePolicy) -> RateDecision:
 # Redis
 
 
-# KEYS: the four bucket keys. ARGV: period (µs), then limit and cost of each bucket in KEYS' order.
-# Returns per bucket {admits, retry_after_us, remaining, reset_us}, integers (Redis truncates Lua numbers).
-# Charges every bucket or none. TIME makes the script non-deterministic, which Redis >= 5 replicates by effects.
-_GCRA_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local period = tonumber(ARGV[1])
-local n = #KEYS
-local tats, new_tats, intervals = {}, {}, {}
-local all = true
-local out = {}
-for i = 1, n do
-  local limit = tonumber(ARGV[2 * i])
-  local cost = tonumber(ARGV[2 * i + 1])
-  local interval = period / limit
-  local tat = tonumber(redis.call('GET', KEYS[i])) or now
-  if tat < now then tat = now end
-  local new_tat = tat + cost * interval
-  local allow_at = new_tat - period
-  tats[i], new_tats[i], intervals[i] = tat, new_tat, interval
-  if allow_at > now + 1 then  -- 1 us of slack: doubles near 1.7e15 us round to a quarter microsecond
-    all = false
-    out[i] = {0, math.ceil(allow_at - now)}
-  else
-    out[i] = {1, 0}
-  end
-end
-local result = {}
-for i = 1, n do
-  local tat = tats[i]
-  if all then
-    tat = new_tats[i]
-    if tat > now then
-      redis.call('SET', KEYS[i], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
+# The decision on a request's buckets, as a Lua function that the rate limiter's own script and the admission script
+# (admission.py: limits and lease in one round trip) both call. gcra(keys, k0, argv, a0, n, now): the buckets are
+# keys[k0 + 1 .. k0 + n]; argv[a0 + 1] is the period (us), then limit and cost of each bucket in keys' order; `now` in
+# us. Charges every bucket or none. Returns whether all admit, and per bucket {admits, retry_after_us, remaining,
+# reset_us}, integers (Redis truncates Lua numbers).
+GCRA_LUA_FUNCTION = """
+local function gcra(keys, k0, argv, a0, n, now)
+  local period = tonumber(argv[a0 + 1])
+  local tats, new_tats, intervals = {}, {}, {}
+  local all = true
+  local out = {}
+  for i = 1, n do
+    local limit = tonumber(argv[a0 + 2 * i])
+    local cost = tonumber(argv[a0 + 2 * i + 1])
+    local interval = period / limit
+    local tat = tonumber(redis.call('GET', keys[k0 + i])) or now
+    if tat < now then tat = now end
+    local new_tat = tat + cost * interval
+    local allow_at = new_tat - period
+    tats[i], new_tats[i], intervals[i] = tat, new_tat, interval
+    if allow_at > now + 1 then  -- 1 us of slack: doubles near 1.7e15 us round to a quarter microsecond
+      all = false
+      out[i] = {0, math.ceil(allow_at - now)}
+    else
+      out[i] = {1, 0}
     end
   end
-  local remaining = math.floor((now + period - tat) / intervals[i] + 1e-9)
-  if remaining < 0 then remaining = 0 end
-  table.insert(result, out[i][1])
-  table.insert(result, out[i][2])
-  table.insert(result, remaining)
-  table.insert(result, math.ceil(tat - now))
+  local result = {}
+  for i = 1, n do
+    local tat = tats[i]
+    if all then
+      tat = new_tats[i]
+      if tat > now then
+        redis.call('SET', keys[k0 + i], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
+      end
+    end
+    local remaining = math.floor((now + period - tat) / intervals[i] + 1e-9)
+    if remaining < 0 then remaining = 0 end
+    table.insert(result, out[i][1])
+    table.insert(result, out[i][2])
+    table.insert(result, remaining)
+    table.insert(result, math.ceil(tat - now))
+  end
+  return all, result
 end
+"""
+
+# KEYS: the four bucket keys. ARGV: as gcra's. TIME makes the script non-deterministic, which Redis >= 5 replicates
+# by effects.
+_GCRA_LUA = (
+    GCRA_LUA_FUNCTION
+    + """
+local t = redis.call('TIME')
+local _, result = gcra(KEYS, 0, ARGV, 0, #KEYS, tonumber(t[1]) * 1000000 + tonumber(t[2]))
 return result
 """
+)
 
 
 class RedisRateLimiter:
@@ -242,7 +254,12 @@ class RedisRateLimiter:
         self._policy: FailurePolicy = failure_policy
         self.num_unavailable = 0  # decisions made without Redis, by the failure policy
 
-    def _keys(self, tenant_id: str, key_id: str) -> list[str]:
+    @property
+    def store(self) -> RedisStore:
+        return self._store
+
+    def script_keys(self, tenant_id: str, key_id: str) -> list[str]:
+        """The four bucket keys of a request, in `gcra`'s order."""
         base = f"ratelimit:{{{tenant_id}}}"
         return [
             self._store.key(f"{base}:requests"),
@@ -252,21 +269,50 @@ class RedisRateLimiter:
         ]
 
     async def acquire(self, *, tenant_id: str, key_id: str, tenant: Limits, key: Limits, tokens: int) -> RateDecision:
-        buckets = _buckets(tenant, key, tokens)
-        args: list[int] = [_PERIOD_US]
-        for bucket in buckets:
-            args += [bucket.limit, bucket.cost]
+        buckets = Buckets.of(tenant, key, tokens)
         try:
-            raw = await self._script(keys=self._keys(tenant_id, key_id), args=args)
+            raw = await self._script(keys=self.script_keys(tenant_id, key_id), args=buckets.script_args())
         except (RedisError, OSError, TimeoutError):
-            self.num_unavailable += 1
-            logger.warning(
-                "rate limiter: Redis unreachable; policy %r %s the request",
-                self._policy,
-                "admits" if self._policy == "open" else "refuses",
-                exc_info=True,
-            )
-            return _unavailable(self._policy)
+            return self.unavailable()
+        return buckets.decision(raw)
+
+    def unavailable(self) -> RateDecision:
+        """The decision when Redis did not answer: the failure policy's, counted in `num_unavailable`."""
+        self.num_unavailable += 1
+        logger.warning(
+            "rate limiter: Redis unreachable; policy %r %s the request",
+            self._policy,
+            "admits" if self._policy == "open" else "refuses",
+            exc_info=True,
+        )
+        return _unavailable(self._policy)
+
+
+@dataclass(frozen=True, slots=True)
+class Buckets:
+    """The four buckets of one request, for a script that runs `gcra` on them: its arguments, and the decision from
+    its result."""
+
+    buckets: tuple[_Bucket, _Bucket, _Bucket, _Bucket]
+
+    @classmethod
+    def of(cls, tenant: Limits, key: Limits, tokens: int) -> Buckets:
+        return cls(_buckets(tenant, key, tokens))
+
+    @property
+    def too_large(self) -> bool:
+        """The request costs more than some bucket's whole minute: refused whatever the buckets hold."""
+        return any(b.cost > b.limit for b in self.buckets)
+
+    def script_args(self) -> list[int]:
+        """`gcra`'s arguments: the period, then limit and cost of each bucket."""
+        args: list[int] = [_PERIOD_US]
+        for bucket in self.buckets:
+            args += [bucket.limit, bucket.cost]
+        return args
+
+    def decision(self, raw: Sequence[Any]) -> RateDecision:
+        """The verdict from `gcra`'s per-bucket result."""
         values = [int(v) for v in raw]
         results = [
             _BucketResult(
@@ -277,7 +323,7 @@ class RedisRateLimiter:
             )
             for i in range(0, len(values), 4)
         ]
-        return _decide(buckets, results)
+        return _decide(self.buckets, results)
 
 
 # ---------------------------------------------------------------------------------------------------------------
