@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from loraplex.platform.config_cache import CacheTable, ConfigCache
+from loraplex.platform.config_cache import Basis, CacheTable, ConfigCache
 from loraplex.platform.domain.api_keys.keys import KeyHasher, KeyKind, parse_key
 from loraplex.platform.domain.api_keys.repository import (
     AdminKeyRepository,
@@ -109,14 +109,17 @@ class Authenticator:
         self._admin_token = admin_token
         self._ttl_s = cache_ttl_s
 
-    async def tenant(self, authorization: str | None) -> TenantPrincipal:
+    async def tenant(self, authorization: str | None, *, sync: bool = True) -> TenantPrincipal:
+        """The principal of a tenant key. `sync` False: the configuration generation is not read first (the
+        caller has read it during this request, or checks the lookups against it afterwards: `tenant_checked_later`)."""
         token = bearer_token(authorization)
         if token is None:
             raise invalid_api_key(MISSING_KEY)
         parsed = parse_key(token)
         if parsed is None or parsed.kind is not KeyKind.TENANT:
             raise invalid_api_key()
-        await self._config_cache.sync()  # once per request, before any of its cached lookups
+        if sync:
+            await self._config_cache.sync()  # once per request, before any of its cached lookups
         key = await self._lookup_key(ApiKeyId(parsed.key_id))
         if key is None or not self._hasher.verify(parsed.full_key, key.key_hash):
             raise invalid_api_key()
@@ -126,6 +129,21 @@ class Authenticator:
         if status != TenantStatus.ACTIVE.value:
             raise ApiError(401, "This API key belongs to a suspended account.", code="account_suspended")
         return TenantPrincipal(tenant_id=key.tenant_id, key_id=ApiKeyId(parsed.key_id))
+
+    async def tenant_checked_later(self, authorization: str | None) -> tuple[TenantPrincipal, Basis | None]:
+        """`tenant` for a request that reads the configuration generation after its lookups (a completion, in its
+        admission's round trip), with the `Basis` to check them against then; None: the generation was read here
+        already (so it is when the tables are not usable: at start, or while the store cannot be read). A refusal is
+        checked at once: if the generation changed, the key is looked up again."""
+        if not self._config_cache.usable:
+            return await self.tenant(authorization), None
+        basis = self._config_cache.basis()
+        try:
+            return await self.tenant(authorization, sync=False), basis
+        except ApiError:
+            if await self._config_cache.verify(basis):
+                raise
+        return await self.tenant(authorization, sync=False), None
 
     async def admin(self, authorization: str | None) -> AdminPrincipal:
         token = bearer_token(authorization)

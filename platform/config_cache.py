@@ -107,6 +107,19 @@ class Fill:
         return self.cache.usable and self.cache.epoch == self.epoch
 
 
+@dataclass(frozen=True, slots=True)
+class Basis:
+    """The tables' state when a request began its lookups without reading the generation first. Its lookups stand
+    if, when the request reads the generation afterwards (one read after the request began, as `sync` would have
+    made), the tables were not emptied meanwhile and held that generation: nothing changed before the request began
+    that they do not show. Otherwise the request drops what it looked up and does it again, after `adopt`.
+    `token` None: the tables were not usable, so the lookups read the database (the authenticator reads the
+    generation first then: a basis is only taken of usable tables)."""
+
+    token: bytes | None
+    epoch: int
+
+
 class ConfigCache:
     """This process's cached configuration; one per process (in `Resources`), safe for concurrent requests (they
     share one event loop)."""
@@ -140,18 +153,50 @@ class ConfigCache:
 
     async def sync(self) -> None:
         """Read the generation; if it is not the one the tables hold, empty them. Every request calls this once,
-        before its first lookup (the authenticator does)."""
+        before its first lookup (the authenticator does), unless it checks its lookups afterwards (`basis`)."""
+        self.adopt(await self.read_generation())
+
+    async def read_generation(self) -> bytes | None:
+        """The generation in the store (one is started if it has none); None when the store cannot be read."""
         try:
             token = await self._kv.get(GENERATION_KEY)
             if token is None:  # never set, or the store lost it: start one (another replica may start it first)
-                await self._kv.set(GENERATION_KEY, _new_token(), only_if_absent=True)
+                await self._kv.set(GENERATION_KEY, new_token(), only_if_absent=True)
                 token = await self._kv.get(GENERATION_KEY)
         except (RedisError, OSError):
             logger.warning("config cache: the generation cannot be read; reading the database", exc_info=True)
-            token = None
+            return None
+        return token
+
+    def adopt(self, token: bytes | None) -> None:
+        """Take `token`, read in the store (None: it could not be), as the generation: the tables are emptied unless
+        they hold that generation already."""
         if token != self._token or token is None:
             self._token = token
             self.invalidate()
+
+    def basis(self) -> Basis:
+        """What lookups made from now on rely on, for a request that reads the generation after them rather than
+        before (the completions path reads it in its admission's round trip): see `Basis`."""
+        return Basis(self._token, self.epoch)
+
+    def holds(self, basis: Basis) -> bool:
+        """Whether the tables are still those of `basis` (not emptied since): lookups made since are of one
+        generation, `basis.token`."""
+        return self.epoch == basis.epoch
+
+    def confirms(self, basis: Basis, token: bytes | None) -> bool:
+        """Whether lookups made since `basis` stand, `token` being the generation read in the store after the
+        request began: the tables were not emptied since, and held that generation (or were not used at all)."""
+        return self.holds(basis) and (basis.token is None or basis.token == token)
+
+    async def verify(self, basis: Basis) -> bool:
+        """Read the generation now and adopt it; whether lookups made since `basis` stand (`confirms`). For a
+        request whose lookups refused it before it read the generation: a refusal that does not stand is redone."""
+        token = await self.read_generation()
+        confirmed = self.confirms(basis, token)
+        self.adopt(token)
+        return confirmed
 
     def invalidate(self) -> None:
         """Empty every table of this process now (a commit here changed a cached kind)."""
@@ -163,7 +208,7 @@ class ConfigCache:
         """Start a new generation, for every replica: call after a commit that changed a cached kind, before
         answering. Failing that (the store is down), other replicas see the change after `max_age_s`."""
         self.invalidate()
-        token = _new_token()
+        token = new_token()
         try:
             await self._kv.set(GENERATION_KEY, token)
         except (RedisError, OSError):
@@ -188,7 +233,7 @@ def watch_sessions(sessions: async_sessionmaker[AsyncSession], cache: ConfigCach
     sessions.configure(sync_session_class=WatchedSession, info={_CACHE: cache})
 
 
-def _new_token() -> bytes:
+def new_token() -> bytes:
     return secrets.token_hex(16).encode()
 
 

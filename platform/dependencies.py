@@ -14,6 +14,7 @@ from litestar.response import Redirect
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.auth import AdminPrincipal, TenantPrincipal
+from loraplex.platform.config_cache import Basis
 from loraplex.platform.resources import Resources
 
 
@@ -38,9 +39,27 @@ async def provide_db(state: State) -> AsyncGenerator[AsyncSession, None]:
             await resources.config_cache.publish_changes(session)
 
 
-async def require_tenant(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+# A handler's `opt` flag: it checks its cached lookups against the configuration generation when it reads it, after
+# them (completions read it in their admission's round trip), so its key is authenticated without reading it first.
+GENERATION_CHECKED_LATER = "generation_checked_later"
+
+
+async def require_tenant(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     authenticator = resources_of(connection.app.state).authenticator
-    connection.state.principal = await authenticator.tenant(connection.headers.get("authorization"))
+    authorization = connection.headers.get("authorization")
+    if handler.opt.get(GENERATION_CHECKED_LATER):
+        connection.state.principal, connection.state.config_basis = await authenticator.tenant_checked_later(
+            authorization
+        )
+        return
+    connection.state.principal = await authenticator.tenant(authorization)
+
+
+def config_basis(connection: ASGIConnection[Any, Any, Any, Any]) -> Basis | None:
+    """What the lookups of a GENERATION_CHECKED_LATER handler's request rely on (`ConfigCache.basis`); None: the
+    generation was read before them."""
+    basis: Basis | None = connection.state.config_basis
+    return basis
 
 
 # Admin pages a browser may open: without a bearer token (which browsers never send) they open in the console,
