@@ -14,6 +14,7 @@ from pathlib import Path
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from loraplex.engine import AsyncEngine as EngineRuntime
+from loraplex.platform.admission import Admitter, open_gate
 from loraplex.platform.auth import Authenticator
 from loraplex.platform.concurrency import Leases, open_leases
 from loraplex.platform.config_cache import ConfigCache, watch_sessions
@@ -91,6 +92,7 @@ class Resources:
     model_configs: ModelConfigs
     rate_limiter: RateLimiter
     leases: Leases  # per-tenant concurrency caps
+    admitter: Admitter  # a completion's rate limits and lease, in one round trip (decision 0038)
     usage: UsageRecorder
     fleet: Fleet
     router: Router
@@ -141,6 +143,7 @@ class Resources:
             sessions, kv, hasher, config_cache, admin_token=admin_token, cache_ttl_s=settings.key_cache_ttl_s
         )
         rate_limiter = open_rate_limiter(kv, settings)
+        leases = open_leases(kv, settings)
         usage = open_usage_recorder(sessions, kv)
         metrics = PlatformMetrics(rate_limiter, usage)
         return cls(
@@ -155,7 +158,8 @@ class Resources:
             lookups=CompletionLookups(sessions, settings, config_cache),
             model_configs=ModelConfigs(settings),
             rate_limiter=CountingRateLimiter(rate_limiter, metrics),
-            leases=CountingLeases(open_leases(kv, settings), metrics),
+            leases=CountingLeases(leases, metrics),
+            admitter=Admitter(open_gate(config_cache, rate_limiter, leases), metrics),
             usage=usage,
             fleet=fleet,
             router=Router(fleet, kv),
@@ -167,6 +171,7 @@ class Resources:
 
     async def close(self) -> None:
         try:
+            await self.admitter.settled()  # lease releases still on their way: through the store, not cut off
             await self.fleet.close()
             if self.embedded_engine is not None:
                 await self.embedded_engine.shutdown()

@@ -20,11 +20,12 @@ from litestar.response import Stream
 
 from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.concurrency import HeldLease, concurrency_error
-from loraplex.platform.dependencies import AppResources, Principal
+from loraplex.platform.config_cache import Basis
+from loraplex.platform.dependencies import GENERATION_CHECKED_LATER, AppResources, Principal, config_basis
 from loraplex.platform.domain.adapters.service import ready_adapter_ref
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
-from loraplex.platform.domain.completions.lookups import model_not_found
+from loraplex.platform.domain.completions.lookups import TenantTerms, model_not_found
 from loraplex.platform.domain.completions.schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.domain.completions.service import (
     Call,
@@ -69,11 +70,19 @@ def _too_large(_: HttpRequest[Any, Any, Any], __: RequestEntityTooLarge) -> Resp
     )
 
 
-async def _start(
-    resources: Resources, principal: TenantPrincipal, body: Request, path: str
-) -> tuple[Call, dict[str, str], HeldLease]:
-    """Everything that can refuse the request, before any byte is sent: model, limits, a replica, and last its
-    tenant's concurrency lease, which the caller owns from here on (and must release when the request ends)."""
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What a request's lookups gave, before its admission."""
+
+    principal: TenantPrincipal
+    call: Call
+    terms: TenantTerms
+    tokens: int  # the rate limits' estimate
+
+
+async def _prepare(resources: Resources, principal: TenantPrincipal, body: Request, path: str) -> _Prepared:
+    """What the request's cached lookups decide, before its admission: model, terms, tier, a replica. Raises the
+    refusals they make."""
     target = await resolve(resources, principal, body.model)
     terms = await tenant_terms(resources, principal)
     service_tier = resolve_service_tier(body.service_tier, terms.service_tiers)
@@ -96,15 +105,6 @@ async def _start(
         raise ApiError(
             503, f"No engine serves '{target.base_model.name}' right now; retry shortly.", code="engine_unavailable"
         )
-    decision = await resources.rate_limiter.acquire(
-        tenant_id=str(principal.tenant_id),
-        key_id=principal.key_id,
-        tenant=terms.limits,
-        key=terms.key_limits,
-        tokens=estimate_tokens(body, replica.max_model_len),
-    )
-    if not decision.allowed:
-        raise rate_limit_error(decision)
     call = Call(
         request_id=new_request_id(isinstance(body, ChatCompletionRequest)),
         principal=principal,
@@ -115,33 +115,106 @@ async def _start(
         path=path,
         service_tier=service_tier,
     )
-    admission = await resources.leases.acquire(str(principal.tenant_id), cap=terms.max_concurrent_requests)
-    if admission.lease is None:
-        raise concurrency_error(admission)
+    return _Prepared(principal, call, terms, estimate_tokens(body, replica.max_model_len))
+
+
+async def _start(
+    request: HttpRequest[Any, Any, Any],
+    resources: Resources,
+    principal: TenantPrincipal,
+    body: Request,
+    path: str,
+    basis: Basis | None,
+) -> tuple[Call, dict[str, str], HeldLease]:
+    """Everything that can refuse the request, before any byte is sent: model, a replica, limits, and last its
+    tenant's concurrency lease, which the caller owns from here on (and must release when the request ends).
+
+    The cached lookups (the key's, in the guard, and `_prepare`'s) are made before the configuration generation is
+    read (decision 0038): the admission reads it in its round trip, and decides nothing if it is not the generation
+    the lookups were made in (`basis`). They are then made again, after adopting the generation read, as a request
+    that read it first makes them; so is a refusal by the lookups whose generation is no longer the store's."""
+    cache = resources.config_cache
+    while True:
+        try:
+            prepared = await _prepare(resources, principal, body, path)
+        except ApiError:
+            if basis is None or await cache.verify(basis):
+                raise
+            basis, principal = None, await _again(request, resources)
+            continue
+        if basis is not None and not cache.holds(basis):  # emptied while it looked: look again, after a read
+            await cache.sync()
+            basis, principal = None, await _again(request, resources)
+            continue
+        admission = await resources.admitter.admit(
+            tenant_id=str(principal.tenant_id),
+            key_id=principal.key_id,
+            tenant=prepared.terms.limits,
+            key=prepared.terms.key_limits,
+            tokens=prepared.tokens,
+            cap=prepared.terms.max_concurrent_requests,
+            generation=None if basis is None else basis.token,
+        )
+        if admission.stale:
+            cache.adopt(admission.generation)
+            basis, principal = None, await _again(request, resources)
+            continue
+        break
+    assert admission.rate is not None
+    lease = admission.lease.lease if admission.lease is not None else None
+    if basis is not None and admission.generation is None:
+        # The store did not answer (the failure policy decided): what came from the tables cannot be confirmed, so
+        # it is read from the database, as when the generation cannot be read first.
+        cache.adopt(None)
+        try:
+            prepared = await _prepare(resources, await _again(request, resources), body, path)
+        except BaseException:
+            if lease is not None:
+                await HeldLease(resources.leases, lease).release()
+            raise
+    if not admission.rate.allowed:
+        raise rate_limit_error(admission.rate)
+    if lease is None:
+        assert admission.lease is not None
+        raise concurrency_error(admission.lease)
+    call = prepared.call
     # The request id is the usage row's key: a client can find what it was billed even if it got no chunk.
-    return call, {**decision.headers, "x-request-id": call.request_id}, HeldLease(resources.leases, admission.lease)
+    return call, {**admission.rate.headers, "x-request-id": call.request_id}, HeldLease(resources.leases, lease)
+
+
+async def _again(request: HttpRequest[Any, Any, Any], resources: Resources) -> TenantPrincipal:
+    """The request's key, authenticated again after the tables changed (the generation was read since it began)."""
+    return await resources.authenticator.tenant(request.headers.get("authorization"), sync=False)
 
 
 async def complete(
-    request: HttpRequest[Any, Any, Any], resources: Resources, principal: TenantPrincipal, body: Request, path: str
+    request: HttpRequest[Any, Any, Any],
+    resources: Resources,
+    principal: TenantPrincipal,
+    body: Request,
+    path: str,
+    basis: Basis | None = None,
 ) -> Response[Any]:
+    """Answer a completion of `principal`. `basis`: what its key's lookup relied on, when the configuration generation
+    was not read before it (`Authenticator.tenant_checked_later`); None when it was."""
     # Watched from the start: a client that gave up while this request waited (on a slow database, say) has gone
     # before the engine is asked, and then nothing runs.
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        call, headers, lease = await _start(resources, principal, body, path)
+        call, headers, lease = await _start(request, resources, principal, body, path, basis)
     except BaseException:
         await _unwatch(gone)
         raise
-    # The lease is held until the request ends: released here when that is before a stream starts, else by the
-    # stream (when it ends, fails, or its client leaves).
+    # The lease is held until the request ends: released here when that is before a stream starts (without
+    # waiting for the store once the answer is complete), else by the stream (when it ends, fails, or its client
+    # leaves).
     try:
         response = await _answer(resources, call, headers, gone, lease)
     except BaseException:
         await lease.release()
         raise
     if not isinstance(response, Stream):
-        await lease.release()
+        resources.admitter.release_soon(lease)
     return response
 
 
@@ -379,6 +452,7 @@ class CompletionsController(Controller):
         summary="Chat completion (OpenAI's API)",
         request_max_body_size=MAX_BODY_BYTES,
         exception_handlers={RequestEntityTooLarge: _too_large},
+        opt={GENERATION_CHECKED_LATER: True},
     )
     async def chat(
         self,
@@ -387,7 +461,7 @@ class CompletionsController(Controller):
         principal: Principal,
         resources: AppResources,
     ) -> Response[Any]:
-        return await complete(request, resources, principal, data, "/v1/chat/completions")
+        return await complete(request, resources, principal, data, "/v1/chat/completions", config_basis(request))
 
     @post(
         "/completions",
@@ -395,6 +469,7 @@ class CompletionsController(Controller):
         summary="Text completion (OpenAI's legacy API)",
         request_max_body_size=MAX_BODY_BYTES,
         exception_handlers={RequestEntityTooLarge: _too_large},
+        opt={GENERATION_CHECKED_LATER: True},
     )
     async def completions(
         self,
@@ -403,7 +478,7 @@ class CompletionsController(Controller):
         principal: Principal,
         resources: AppResources,
     ) -> Response[Any]:
-        return await complete(request, resources, principal, data, "/v1/completions")
+        return await complete(request, resources, principal, data, "/v1/completions", config_basis(request))
 
     @get("/models", summary="Models you can name: your endpoints and the base models")
     async def models(self, principal: Principal, resources: AppResources) -> dict[str, Any]:
