@@ -31,8 +31,12 @@ the formats, quantizers, dequantizers and shared checks are in kernels/quant_for
 
 from __future__ import annotations
 
+import os
+from functools import cache
+
 import torch
 
+from loraplex.kernels import native
 from loraplex.kernels.quant_formats import (
     GROUP_SIZE,
     Int4Weight,
@@ -46,7 +50,7 @@ from loraplex.kernels.quant_formats import (
     workspace_elems,
 )
 from loraplex.kernels.quant_int4 import int4_linear_torch, int4_linear_triton
-from loraplex.kernels.quant_int8 import int8_linear_torch, int8_linear_triton
+from loraplex.kernels.quant_int8 import int8_linear_dynamic, int8_linear_torch, int8_linear_triton
 
 __all__ = [
     "GROUP_SIZE",
@@ -57,7 +61,9 @@ __all__ = [
     "int4_linear",
     "int4_linear_torch",
     "int4_linear_triton",
+    "int8_activations",
     "int8_linear",
+    "int8_linear_dynamic",
     "int8_linear_torch",
     "int8_linear_triton",
     "pack_int4",
@@ -68,17 +74,33 @@ __all__ = [
 ]
 
 
+@cache
+def int8_activations() -> bool:
+    """Whether CPU int8 matmuls quantize their activations too (`int8_linear_dynamic`): where the CPU multiplies
+    int8 natively (AVX-512 VNNI or AMX) unless LORAPLEX_INT8_ACTIVATIONS=0; LORAPLEX_INT8_ACTIVATIONS=1 forces it
+    (slow without those instructions; for tests). Decided once per process (decision 0039)."""
+    configured = os.environ.get("LORAPLEX_INT8_ACTIVATIONS", "auto")
+    if configured in ("0", "1"):
+        return configured == "1"
+    return bool(torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def int8_linear(
     x: torch.Tensor,  # [num_tokens, in_features]
     w: Int8Weight,
     bias: torch.Tensor | None = None,  # [out_features]
     *,
     workspace: torch.Tensor | None = None,  # float32, >= workspace_elems(in_features); CPU path only
+    dynamic: bool | None = None,  # CPU only: 8-bit activations; None decides by int8_activations()
+    residual: torch.Tensor | None = None,  # [num_tokens, out_features], added to the product (not written)
 ) -> torch.Tensor:
-    """x @ dequantize_int8(w)^T (+ bias), [num_tokens, out_features] in x.dtype; see the module docstring."""
-    if x.is_cuda:
-        return int8_linear_triton(x, w, bias)
-    return int8_linear_torch(x, w, bias, workspace=workspace)
+    """x @ dequantize_int8(w)^T (+ bias) (+ residual), a new [num_tokens, out_features] tensor in x.dtype; see the
+    module docstring. On the CPU with `dynamic` (by default where int8_activations() holds) x is rounded to 8 bits
+    per row first (int8_linear_dynamic)."""
+    if not x.is_cuda and (int8_activations() if dynamic is None else dynamic):
+        return int8_linear_dynamic(x, w, bias, residual=residual, native=native.load())
+    y = int8_linear_triton(x, w, bias) if x.is_cuda else int8_linear_torch(x, w, bias, workspace=workspace)
+    return y if residual is None else y.add_(residual)
 
 
 def int4_linear(

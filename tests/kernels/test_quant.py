@@ -8,6 +8,7 @@ outputs are of order 1 and the tolerances below are absolute.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -18,6 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from loraplex.kernels import native as native_ops  # noqa: E402
 from loraplex.kernels import quant  # noqa: E402  (after TRITON_INTERPRET, see above)
 from loraplex.kernels.quant import Int4Weight, Int8Weight  # noqa: E402
 
@@ -124,7 +126,8 @@ class TestMemory:
 
 
 def _int8_paths() -> list[tuple[str, Linear]]:
-    return [("torch", quant.int8_linear_torch), ("triton", quant.int8_linear_triton), ("dispatch", quant.int8_linear)]
+    weight_only = functools.partial(quant.int8_linear, dynamic=False)
+    return [("torch", quant.int8_linear_torch), ("triton", quant.int8_linear_triton), ("dispatch", weight_only)]
 
 
 def _int4_paths() -> list[tuple[str, Linear]]:
@@ -143,7 +146,7 @@ class TestInt8Linear:
         x, bias = _inputs(num_tokens, shape[1], shape[0], dtype, with_bias)
         expected = _reference(x, quant.dequantize_int8(w, torch.float32), bias)
         _assert_close(quant.int8_linear_torch(x, w, bias), expected, dtype)
-        _assert_close(quant.int8_linear(x, w, bias), expected, dtype)
+        _assert_close(quant.int8_linear(x, w, bias, dynamic=False), expected, dtype)
 
     @pytest.mark.parametrize("num_tokens", [5, 40])
     def test_torch_path_covers_matrices_of_several_tiles(
@@ -181,6 +184,89 @@ class TestInt8Linear:
             assert fn(torch.empty(0, 64, device=DEVICE), w, None).shape == (0, 16)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="8-bit activations are a CPU path")
+class TestInt8Dynamic:
+    """int8_linear_dynamic: x rounded to 8 bits per row, an integer product, both scales after."""
+
+    @staticmethod
+    def _expected(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float64 product of the row-quantized x with the dequantized weight, its bound against x unrounded)."""
+        xf = x.float()
+        scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        codes = torch.round(xf * (1 / scale))
+        assert codes.abs().max() <= 127
+        weight = quant.dequantize_int8(w, torch.float32).double()
+        y = (codes.double() * scale.double()) @ weight.t()
+        if bias is not None:
+            y = y + bias.double()
+        # Each element of x moves by at most half its row's step: |dy[t, n]| <= scale[t] / 2 * sum_k |W[n, k]|.
+        return y, scale.double() / 2 * weight.abs().sum(dim=1)
+
+    @pytest.mark.parametrize("num_tokens", [1, 7, 64, 65])
+    @pytest.mark.parametrize("with_bias", [False, True])
+    @pytest.mark.parametrize("shape", [(96, 256), (72, 200), (8, 40)], ids=["in256", "in200", "in40"])
+    @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+    def test_matches_the_row_quantized_product(
+        self, num_tokens: int, with_bias: bool, shape: tuple[int, int], native: bool
+    ) -> None:
+        if native and not native_ops.load():
+            pytest.skip("the native operators are not built (make native)")
+        w = quant.quantize_int8(_weight(*shape))
+        x, bias = _inputs(num_tokens, shape[1], shape[0], torch.float32, with_bias)
+        x[0, 3] = 4.0  # one large activation: the row's scale follows it
+        residual = torch.randn(num_tokens, shape[0], generator=torch.Generator().manual_seed(2))
+        before = residual.clone()
+        y = quant.int8_linear_dynamic(x, w, bias, residual=residual, native=native)
+        expected, bound = self._expected(x, w, bias)
+        # float32 rounding of the scaled products only: a code off by one would move an output by ~1e-2.
+        torch.testing.assert_close(y.double(), expected + residual.double(), atol=2e-5, rtol=1e-5)
+        assert torch.equal(residual, before), "the residual must not be written"
+        unrounded = _reference(x, quant.dequantize_int8(w, torch.float32), bias)
+        assert ((expected - unrounded).abs() <= bound + 1e-9).all()
+        assert (expected - unrounded).abs().max() > 1e-6, "x was not rounded"
+
+    def test_native_equals_the_torch_path_on_half_types_and_zero_rows(self) -> None:
+        w = quant.quantize_int8(_weight(48, 96))
+        x, bias = _inputs(9, 96, 48, torch.float32, True)
+        x[4] = 0.0  # an all-zero row: its scale is the smallest normal float, its codes zeros, its output the bias
+        y = quant.int8_linear_dynamic(x, w, bias, native=native_ops.load())
+        torch.testing.assert_close(y, quant.int8_linear_dynamic(x, w, bias), atol=2e-5, rtol=1e-5)
+        assert torch.equal(y[4], bias)
+        half = quant.int8_linear_dynamic(x.bfloat16(), w, bias.bfloat16(), native=True)  # native takes float32 only
+        assert half.dtype == torch.bfloat16
+        torch.testing.assert_close(half.float(), y, atol=0.1, rtol=2**-6)
+
+    def test_no_tokens_and_bad_residual(self) -> None:
+        w = quant.quantize_int8(_weight(16, 64))
+        for native in (False, True):
+            assert quant.int8_linear_dynamic(torch.empty(0, 64), w, native=native).shape == (0, 16)
+        with pytest.raises(ValueError, match="residual must be"):
+            quant.int8_linear_dynamic(torch.randn(2, 64), w, residual=torch.zeros(2, 15))
+        with pytest.raises(ValueError, match="x must be"):
+            quant.int8_linear_dynamic(torch.randn(2, 65), w)
+
+    def test_dispatch_follows_the_setting(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        w = quant.quantize_int8(_weight(24, 64))
+        x, bias = _inputs(5, 64, 24, torch.float32, True)
+        weight_only, dynamic = quant.int8_linear_torch(x, w, bias), quant.int8_linear_dynamic(x, w, bias)
+        assert not torch.allclose(weight_only, dynamic, atol=1e-6, rtol=0)
+        try:
+            for setting, expected in (("0", weight_only), ("1", dynamic)):
+                monkeypatch.setenv("LORAPLEX_INT8_ACTIVATIONS", setting)
+                quant.int8_activations.cache_clear()
+                assert quant.int8_activations() is (setting == "1")
+                torch.testing.assert_close(quant.int8_linear(x, w, bias), expected, atol=2e-5, rtol=1e-5)
+            residual = torch.randn(5, 24)
+            torch.testing.assert_close(
+                quant.int8_linear(x, w, bias, residual=residual), dynamic + residual, atol=2e-5, rtol=1e-5
+            )
+            torch.testing.assert_close(
+                quant.int8_linear(x, w, bias, dynamic=False, residual=residual), weight_only + residual
+            )
+        finally:
+            quant.int8_activations.cache_clear()
+
+
 class TestWorkspace:
     @pytest.mark.parametrize("num_tokens", [3, 70])
     def test_a_kept_workspace_gives_the_same_results(self, num_tokens: int) -> None:
@@ -190,7 +276,7 @@ class TestWorkspace:
         x, bias = _inputs(num_tokens, 256, 96, torch.float32, True)
         for _ in range(2):
             assert torch.equal(
-                quant.int8_linear(x, w8, bias, workspace=workspace), quant.int8_linear_torch(x, w8, bias)
+                quant.int8_linear(x, w8, bias, workspace=workspace, dynamic=False), quant.int8_linear_torch(x, w8, bias)
             )
             assert torch.equal(
                 quant.int4_linear(x, w4, bias, workspace=workspace), quant.int4_linear_torch(x, w4, bias)
