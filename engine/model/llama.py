@@ -4,7 +4,8 @@ Weights are plain tensors, fused where one matmul can do the work of several (q/
 matmuls are what a CPU (and a GPU at small batch) runs fastest. On a CPU, float32 projections and an untied
 lm_head are kept input-major (quant_linear.matmul_layout), the layout MKL multiplies fastest at decode sizes.
 With quantization the four projections of each layer are int8 or int4 weight objects instead
-(engine/model/quant_linear.py), quantized at load one layer at a time; everything else stays in the model's dtype.
+(engine/model/quant_linear.py), quantized at load one layer at a time, and int8 quantizes an untied lm_head too;
+everything else stays in the model's dtype.
 Every forward takes a ForwardBatch of flat tokens from many sequences at once; attention reads each sequence's
 keys through its block table.
 """
@@ -125,7 +126,7 @@ class LlamaModel:
         self.layers: list[LayerWeights] = []
         self.embed = torch.empty(0)
         self.norm = torch.empty(0)
-        self.lm_head = torch.empty(0)
+        self.lm_head: Weight = torch.empty(0)
 
     # --- loading -------------------------------------------------------------------------------------------------
 
@@ -163,7 +164,7 @@ class LlamaModel:
                 raise CheckpointError("the checkpoint has no 'lm_head.weight' and config.json does not tie embeddings")
             self.lm_head = self.embed
         else:
-            self.lm_head = matmul_layout(self._take(tensors, "lm_head.weight", (c.vocab_size, c.hidden_size)))
+            self.lm_head = self._head(tensors)
         # One layer at a time: a quantized load never holds more than one layer's float weights.
         self.layers = [self._load_layer(tensors, i) for i in range(c.num_layers)]
 
@@ -251,6 +252,14 @@ class LlamaModel:
             ]
         )
 
+    def _head(self, tensors: CheckpointTensors) -> Weight:
+        """An untied lm_head: int8 in int8 mode (in decode it is the largest matmul of a small model, 16M of the
+        benchmark model's 40M multiply-adds per token; decision 0039), else in the model's dtype."""
+        shape = (self.config.vocab_size, self.config.hidden_size)
+        if self.quantization == "int8":
+            return self._quantized(self._take(tensors, "lm_head.weight", shape, dtype=torch.float32))
+        return matmul_layout(self._take(tensors, "lm_head.weight", shape))
+
     def _quantized(self, weight: torch.Tensor) -> Weight:
         if self.quantization is None:
             return matmul_layout(weight)
@@ -283,7 +292,7 @@ class LlamaModel:
         return sum(nbytes(w) for w in weights)
 
     def projection_bytes(self) -> int:
-        """Bytes of the layers' four projections, the only weights quantization changes."""
+        """Bytes of the layers' four projections (quantization also changes an untied lm_head in int8 mode)."""
         return sum(nbytes(w) for layer in self.layers for w in layer.projections())
 
     # --- forward -------------------------------------------------------------------------------------------------
@@ -337,6 +346,8 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
+        if not isinstance(self.lm_head, torch.Tensor):  # int8
+            return linear(hidden, self.lm_head).float()
         input_major = self.lm_head.stride(0) == 1  # matmul_layout's float32 copy: fastest whole
         if self.device.type != "cpu" or input_major or self.lm_head.shape[0] <= _LM_HEAD_SLICE:
             return F.linear(hidden, self.lm_head).float()

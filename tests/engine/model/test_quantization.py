@@ -1,17 +1,23 @@
 """Quantized base weights: int8 and int4 logits stay close to float32, the weights take the memory promised, LoRA
 runs unchanged over them, and the option is honoured or refused everywhere it is given.
 
-Thresholds are measured (float32 activations; cosine is the mean over positions of each row's cosine):
+Thresholds are measured (cosine is the mean over positions of each row's cosine). "int8" keeps float32 activations;
+"int8-a8" rounds each quantized matmul's input to 8 bits per token (what int8 does on CPUs with VNNI or AMX; the
+tests set it either way, whatever the CPU; decision 0039). int8 quantizes an untied lm_head too.
 
 | checkpoint | mode | cosine (measured) | top-1 agreement (measured) |
 |---|---|---|---|
-| trained test checkpoints, 256 positions of their text | int8 | >= 0.9999 (0.99996-0.99997) | >= 0.98 (0.996-1.000) |
-| trained test checkpoints, 256 positions of their text | int4 | >= 0.99 (0.992-0.994) | >= 0.90 (0.938-0.961) |
-| random test checkpoints, 256 random positions | int8 | >= 0.999 (0.99958-0.99968) | >= 0.93 (0.949-0.973) |
+| trained test checkpoints, 256 positions | int8 | >= 0.9999 (0.99996) | >= 0.98 (0.996) |
+| trained test checkpoints, 256 positions | int8-a8 | >= 0.9998 (0.99984-0.99986) | >= 0.97 (0.980-0.996) |
+| trained test checkpoints, 256 positions | int4 | >= 0.99 (0.992-0.994) | >= 0.90 (0.938-0.961) |
+| random test checkpoints, 256 random positions | int8 | >= 0.999 (0.99958-0.99966) | >= 0.93 (0.957-0.977) |
+| random test checkpoints, 256 random positions | int8-a8 | >= 0.9985 (0.99903-0.99922) | >= 0.90 (0.934-0.969) |
 | random test checkpoints, 256 random positions | int4 | >= 0.90 (0.920-0.935) | >= 0.44 (0.488-0.516) |
 | demo model on its text, 510 positions | int8 | >= 0.999 (0.999999) | >= 0.98 (1.000) |
+| demo model on its text, 510 positions | int8-a8 | >= 0.9999 (0.999992) | >= 0.98 (0.992) |
 | demo model on its text, 510 positions | int4 | >= 0.9995 (0.99988) | >= 0.94 (0.965) |
-| random llama-gqa + r16 adapter, 256 positions | int8 base | >= 0.999 (0.99962) | - (0.957) |
+| random llama-gqa + r16 adapter, 256 positions | int8 base | >= 0.999 (0.99960) | - (0.953) |
+| random llama-gqa + r16 adapter, 256 positions | int8-a8 base | >= 0.998 (0.99900) | - (0.922) |
 
 Random weights give nearly flat logits (512 ids, spread about 1.2), so near ties are common and top-1 agreement
 there counts ties more than quantization error: bf16 alone agrees with float32 on only 0.965-0.980 of them. The
@@ -46,7 +52,7 @@ from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.errors import CheckpointError
 from loraplex.engine.model.quant_linear import addmm, int4_group_size, linear, nbytes, quantize
 from loraplex.engine.tools.demo import END_OF_TEXT_TOKEN, RandomModelSpec, write_random_model
-from loraplex.kernels.quant import Int4Weight, Int8Weight
+from loraplex.kernels.quant import Int4Weight, Int8Weight, int8_activations
 from loraplex.platform.cli import main
 from loraplex.platform.domain.fleet.embedded import demo_model_path, embedded_quantization
 from loraplex.platform.settings import Settings
@@ -57,9 +63,31 @@ DEMO = demo_model_path()
 NUM_POSITIONS = 256
 
 # (cosine, top-1) floors per (checkpoint kind, mode); see the module docstring for what was measured.
-TRAINED_FLOORS = {"int8": (0.9999, 0.98), "int4": (0.99, 0.90)}
-RANDOM_FLOORS = {"int8": (0.999, 0.93), "int4": (0.90, 0.44)}
-DEMO_FLOORS = {"int8": (0.999, 0.98), "int4": (0.9995, 0.94)}
+TRAINED_FLOORS = {"int8": (0.9999, 0.98), "int8-a8": (0.9998, 0.97), "int4": (0.99, 0.90)}
+RANDOM_FLOORS = {"int8": (0.999, 0.93), "int8-a8": (0.9985, 0.90), "int4": (0.90, 0.44)}
+DEMO_FLOORS = {"int8": (0.999, 0.98), "int8-a8": (0.9999, 0.98), "int4": (0.9995, 0.94)}
+MODES = ["int8", "int8-a8", "int4"]
+
+
+@pytest.fixture
+def use() -> Iterator[Callable[[str], str]]:
+    """use(mode) -> the engine's quantization name: "int8" with float activations, "int8-a8" with activations
+    rounded to 8 bits per token (set for the process, whatever the CPU: kernels/quant.py's int8_activations),
+    "int4"."""
+    saved = os.environ.get("LORAPLEX_INT8_ACTIVATIONS")
+
+    def set_mode(mode: str) -> str:
+        if mode.startswith("int8"):
+            os.environ["LORAPLEX_INT8_ACTIVATIONS"] = "1" if mode == "int8-a8" else "0"
+            int8_activations.cache_clear()
+        return mode.removesuffix("-a8")
+
+    yield set_mode
+    if saved is None:
+        os.environ.pop("LORAPLEX_INT8_ACTIVATIONS", None)
+    else:
+        os.environ["LORAPLEX_INT8_ACTIVATIONS"] = saved
+    int8_activations.cache_clear()
 
 
 def _llm(path: Path, quantization: str | None = None, dtype: str = "float32") -> LLM:
@@ -122,27 +150,31 @@ def float_logits(checkpoint: Callable[..., Path]) -> dict[str, torch.Tensor]:
 # --- quality -------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_quantized_trained_checkpoints_keep_their_predictions(
-    variant: str, mode: str, trained_checkpoint: Callable[[str], Path]
+    variant: str, mode: str, trained_checkpoint: Callable[[str], Path], use: Callable[[str], str]
 ) -> None:
     path = trained_checkpoint(variant)
     text = bigram_text(1, NUM_POSITIONS, seed=10**6)[0].tolist()  # not a sequence it was trained on
     reference = _prompt_logits(_llm(path), text)
-    cosine, top1 = _agreement(_prompt_logits(_llm(path, mode), text), reference)
+    cosine, top1 = _agreement(_prompt_logits(_llm(path, use(mode)), text), reference)
     min_cosine, min_top1 = TRAINED_FLOORS[mode]
     assert cosine >= min_cosine, f"trained {variant} {mode}: cosine {cosine:.6f}"
     assert top1 >= min_top1, f"trained {variant} {mode}: top-1 agreement {top1:.3f}"
     assert cosine < 1 - 1e-7, "the weights were not quantized"
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_quantized_logits_stay_close_to_float32(
-    variant: str, mode: str, checkpoint: Callable[..., Path], float_logits: dict[str, torch.Tensor]
+    variant: str,
+    mode: str,
+    checkpoint: Callable[..., Path],
+    float_logits: dict[str, torch.Tensor],
+    use: Callable[[str], str],
 ) -> None:
-    llm = _llm(checkpoint(variant), mode)
+    llm = _llm(checkpoint(variant), use(mode))
     cosine, top1 = _agreement(_prompt_logits(llm, _random_prompt(NUM_POSITIONS, seed=7)), float_logits[variant])
     min_cosine, min_top1 = RANDOM_FLOORS[mode]
     assert cosine >= min_cosine, f"{variant} {mode}: cosine {cosine:.5f}"
@@ -151,13 +183,13 @@ def test_quantized_logits_stay_close_to_float32(
 
 
 @pytest.mark.skipif(DEMO is None, reason="the demo model ships only in a source checkout")
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_demo_model_keeps_its_predictions(mode: str) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_demo_model_keeps_its_predictions(mode: str, use: Callable[[str], str]) -> None:
     assert DEMO is not None
     reference_llm = _llm(DEMO)
     windows = _demo_windows(reference_llm)
     reference = torch.cat([_prompt_logits(reference_llm, w) for w in windows])
-    llm = _llm(DEMO, mode)
+    llm = _llm(DEMO, use(mode))
     cosine, top1 = _agreement(torch.cat([_prompt_logits(llm, w) for w in windows]), reference)
     assert reference.shape[0] >= NUM_POSITIONS
     min_cosine, min_top1 = DEMO_FLOORS[mode]
@@ -201,7 +233,8 @@ def test_int4_group_size_and_bytes_at_scale() -> None:
         int4_group_size(100)
 
 
-def test_linear_dispatch_matches_dequantized_matmul() -> None:
+def test_linear_dispatch_matches_dequantized_matmul(use: Callable[[str], str]) -> None:
+    use("int8")  # float activations: the dequantized product exactly (kernels tests cover 8-bit activations)
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 128, generator=generator)
     x = torch.randn(5, 128, generator=generator)
@@ -217,10 +250,11 @@ def test_linear_dispatch_matches_dequantized_matmul() -> None:
         assert torch.equal(residual, before), "addmm must not write into the residual"
 
 
-def test_linear_reuses_one_workspace_per_thread() -> None:
+def test_linear_reuses_one_workspace_per_thread(use: Callable[[str], str]) -> None:
     """The CPU paths dequantize into a buffer the engine keeps per thread, made in or out of inference mode."""
     import threading
 
+    use("int8")
     from loraplex.engine.model import quant_linear
 
     generator = torch.Generator().manual_seed(1)
@@ -247,11 +281,28 @@ def test_linear_reuses_one_workspace_per_thread() -> None:
     assert other and other[0] is not buffer, "threads must not share a workspace"
 
 
+def test_int8_quantizes_an_untied_lm_head(checkpoint: Callable[..., Path], use: Callable[[str], str]) -> None:
+    untied = _llm(checkpoint("llama-gqa"), use("int8")).engine.model
+    assert isinstance(untied.lm_head, Int8Weight)
+    reference = _llm(checkpoint("llama-gqa")).engine.model
+    rest = reference.weight_bytes() - reference.projection_bytes() - nbytes(reference.lm_head)
+    assert untied.weight_bytes() == rest + untied.projection_bytes() + nbytes(untied.lm_head)
+    assert nbytes(untied.lm_head) < nbytes(reference.lm_head) / 3
+    tied = _llm(checkpoint("llama-tied"), "int8").engine.model
+    assert tied.lm_head is tied.embed, "a tied lm_head stays the embedding table, in the model's dtype"
+    assert isinstance(_llm(checkpoint("llama-gqa"), "int4").engine.model.lm_head, torch.Tensor)
+
+
 # --- LoRA over a quantized base --------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("mode", "floor"), [("int8", 0.999), ("int8-a8", 0.998)])
 def test_lora_runs_unchanged_over_an_int8_base(
-    checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+    mode: str,
+    floor: float,
+    checkpoint: Callable[..., Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    use: Callable[[str], str],
 ) -> None:
     base = checkpoint("llama-gqa")
     adapter = make_peft_adapter(
@@ -259,21 +310,21 @@ def test_lora_runs_unchanged_over_an_int8_base(
     )
     lora = LoRARequest("all", adapter)
     prompt = _random_prompt(NUM_POSITIONS, seed=11)
-    float_llm, int8_llm = _llm(base), _llm(base, "int8")
+    float_llm, int8_llm = _llm(base), _llm(base, use(mode))
     with_float_base = _prompt_logits(float_llm, prompt, lora)
     with_int8_base = _prompt_logits(int8_llm, prompt, lora)
     cosine, _ = _agreement(with_int8_base, with_float_base)
-    assert cosine >= 0.999, cosine
+    assert cosine >= floor, cosine
     # The adapter moves the logits far more than int8 does: its delta is really applied over the quantized base.
     adapter_effect, _ = _agreement(_prompt_logits(int8_llm, prompt), with_int8_base)
     assert adapter_effect < 0.99, adapter_effect
 
 
 @pytest.mark.skipif(DEMO is None, reason="the demo model ships only in a source checkout")
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_demo_adapter_still_answers_in_upper_case(mode: str) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_demo_adapter_still_answers_in_upper_case(mode: str, use: Callable[[str], str]) -> None:
     assert DEMO is not None
-    llm = _llm(DEMO, mode)
+    llm = _llm(DEMO, use(mode))
     upper = LoRARequest("upper", DEMO.parent / "adapters" / "upper")
     params = SamplingParams(temperature=0, max_tokens=24)
     (output,) = llm.chat(
