@@ -28,7 +28,8 @@ setup(
         "loraplex.platform": ["py.typed", "**/*.html", "**/*.css", "**/*.js"],
         "loraplex.engine": ["py.typed"],
         "loraplex.engine.tools": ["*.txt"],
-        "loraplex.kernels": ["py.typed", "csrc/*.cpp"],  # built on the target by `python -m loraplex.kernels.native`
+        # The native sources are built on the target by `python -m loraplex.kernels.native`.
+        "loraplex.kernels": ["py.typed", "csrc/*.cpp", "csrc/*.h"],
         "loraplex.migrations": ["script.py.mako", "versions/*.py"],
     },
     include_package_data=False,

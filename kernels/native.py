@@ -2,7 +2,8 @@
 loaded when present.
 
 kernels/csrc/cpu_ops.cpp holds two operators of CPU decode, decode attention over the paged cache and the LoRA
-segments of one fused projection (docs/decisions/0035-native-cpu-operators.md says why and what they measured).
+segments of one fused projection (docs/decisions/0036-native-cpu-operators.md says why and what they measured);
+kernels/csrc/quant_ops.cpp the int8 and int4 matmuls with 8-bit activations (decision 0039).
 They are compiled here with the C++ compiler torch's own extensions use, against the installed torch's headers, into
 `kernels/_native/` (or `$LORAPLEX_NATIVE_DIR`), and registered as `torch.ops.loraplex_cpu.*` when this module loads
 them. Without a build (no compiler, a read-only install) or with `LORAPLEX_NATIVE=0` nothing is loaded and callers
@@ -22,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "cpu_ops.cpp", CSRC / "quant_ops.cpp")
 # The machine's own instruction set: the library is built where it runs (CI, a developer's machine, an image's
 # build stage on the serving host's CPU kind). Override with LORAPLEX_NATIVE_CFLAGS, e.g. -march=x86-64-v3.
-DEFAULT_CFLAGS = "-std=c++20 -O3 -march=native -fopenmp-simd -ffast-math -fno-finite-math-only"
+DEFAULT_CFLAGS = "-std=c++20 -O3 -march=native -fopenmp-simd -ffast-math -fno-finite-math-only -fno-reciprocal-math"
 
 
 # libmvec: the vectorized expf that -ffast-math lets the softmax loops call.
@@ -43,7 +45,9 @@ def _cflags() -> list[str]:
 
 def _tag() -> str:
     """What the library depends on: its source, the flags and the torch it was built against."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.glob("*.[ch]*")):
+        digest.update(path.read_bytes())
     digest.update(" ".join([*_cflags(), *_LINK]).encode())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()[:16]
@@ -54,7 +58,7 @@ def library_path() -> Path:
 
 
 def build(*, verbose: bool = False) -> Path:
-    """Compile cpu_ops.cpp into library_path() unless it is already there; returns the path."""
+    """Compile the sources into library_path() unless it is already there; returns the path."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     target = library_path()
@@ -70,7 +74,7 @@ def build(*, verbose: bool = False) -> Path:
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include_paths()),
         f"-I{sysconfig.get_paths()['include']}",
-        str(SOURCE),
+        *(str(source) for source in SOURCES),
         "-o",
         str(target.with_suffix(".tmp")),
         *(f"-L{p}" for p in library_paths()),

@@ -49,7 +49,7 @@ from loraplex.kernels.quant_formats import (
     unpack_int4,
     workspace_elems,
 )
-from loraplex.kernels.quant_int4 import int4_linear_torch, int4_linear_triton
+from loraplex.kernels.quant_int4 import int4_linear_dynamic, int4_linear_torch, int4_linear_triton, requantize_int4_rows
 from loraplex.kernels.quant_int8 import int8_linear_dynamic, int8_linear_torch, int8_linear_triton
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "dequantize_int4",
     "dequantize_int8",
     "int4_linear",
+    "int4_linear_dynamic",
     "int4_linear_torch",
     "int4_linear_triton",
     "int8_activations",
@@ -69,6 +70,7 @@ __all__ = [
     "pack_int4",
     "quantize_int4",
     "quantize_int8",
+    "requantize_int4_rows",
     "unpack_int4",
     "workspace_elems",
 ]
@@ -76,7 +78,8 @@ __all__ = [
 
 @cache
 def int8_activations() -> bool:
-    """Whether CPU int8 matmuls quantize their activations too (`int8_linear_dynamic`): where the CPU multiplies
+    """Whether CPU int8 and int4 matmuls quantize their activations too (`int8_linear_dynamic`,
+    `int4_linear_dynamic`): where the CPU multiplies
     int8 natively (AVX-512 VNNI or AMX) unless LORAPLEX_INT8_ACTIVATIONS=0; LORAPLEX_INT8_ACTIVATIONS=1 forces it
     (slow without those instructions; for tests). Decided once per process (decision 0039)."""
     configured = os.environ.get("LORAPLEX_INT8_ACTIVATIONS", "auto")
@@ -109,8 +112,13 @@ def int4_linear(
     bias: torch.Tensor | None = None,  # [out_features]
     *,
     workspace: torch.Tensor | None = None,  # float32, >= workspace_elems(in_features); CPU path only
+    dynamic: bool | None = None,  # CPU only: 8-bit activations; None decides by int8_activations()
+    residual: torch.Tensor | None = None,  # [num_tokens, out_features], added to the product (not written)
 ) -> torch.Tensor:
-    """x @ dequantize_int4(w)^T (+ bias), [num_tokens, out_features] in x.dtype; see the module docstring."""
-    if x.is_cuda:
-        return int4_linear_triton(x, w, bias)
-    return int4_linear_torch(x, w, bias, workspace=workspace)
+    """x @ dequantize_int4(w)^T (+ bias) (+ residual), a new [num_tokens, out_features] tensor in x.dtype; see the
+    module docstring. On the CPU with `dynamic` (by default where int8_activations() holds) x is rounded to 8 bits
+    per row first and multiplied in integers (int4_linear_dynamic)."""
+    if not x.is_cuda and (int8_activations() if dynamic is None else dynamic):
+        return int4_linear_dynamic(x, w, bias, residual=residual, native=native.load())
+    y = int4_linear_triton(x, w, bias) if x.is_cuda else int4_linear_torch(x, w, bias, workspace=workspace)
+    return y if residual is None else y.add_(residual)

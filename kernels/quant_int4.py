@@ -11,18 +11,20 @@ from loraplex.kernels.quant_formats import (
     HAS_TRITON,
     TILE_ELEMS,
     Int4Weight,
+    Int8Weight,
     check_linear,
     prepare_launch,
     tile_buffer,
     tile_rows,
     unpack_int4,
 )
+from loraplex.kernels.quant_int8 import int8_linear_dynamic
 
 if HAS_TRITON:
     import triton  # type: ignore[import-untyped]
     import triton.language as tl  # type: ignore[import-untyped]
 
-__all__ = ["int4_linear_torch", "int4_linear_triton"]
+__all__ = ["int4_linear_dynamic", "int4_linear_torch", "int4_linear_triton", "requantize_int4_rows"]
 
 # Batches up to this many tokens take the split tiles, larger ones the interleaved tiles (see int4_linear_torch).
 SPLIT_MAX_TOKENS = 64
@@ -58,6 +60,47 @@ def int4_linear_torch(
     if bias is not None:
         y.add_(bias)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def int4_linear_dynamic(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    w: Int4Weight,
+    bias: torch.Tensor | None = None,  # [out_features]
+    *,
+    residual: torch.Tensor | None = None,  # [num_tokens, out_features], added to the product
+    native: bool = False,
+) -> torch.Tensor:
+    """The CPU path with 8-bit activations (W4A8): each output row's int4 values are requantized, for this call
+    only, to int8 codes on one symmetric scale for the row (`requantize_int4_rows`), then multiplied as
+    int8_linear_dynamic does (kernels/quant_int8.py: x rounded to 8 bits per row, one integer product, both scales
+    after). One product instead of one per group of inputs (each a small, slower integer matmul), for an extra
+    rounding of the weights of at most half an int8 step of the row. Returns a new [num_tokens, out_features] tensor
+    in x.dtype; nothing requantized is kept. `native`: float32 operands go to the native operator (the caller
+    checked it is loaded), which requantizes in one pass (a table lookup per nibble) and computes the same."""
+    check_linear(x, w.shape, w.packed.device, bias)
+    operands = (x, w.scales, w.zeros, bias, residual)
+    if native and all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in operands):
+        if residual is not None and residual.shape != (x.shape[0], w.shape[0]):
+            raise ValueError(f"residual must be [{x.shape[0]}, {w.shape[0]}], got {tuple(residual.shape)}")
+        y: torch.Tensor = torch.ops.loraplex_cpu.int4_linear_dynamic(
+            x, w.packed, w.scales, w.zeros, w.group_size, bias, residual
+        )
+        return y
+    return int8_linear_dynamic(x, requantize_int4_rows(w), bias, residual=residual)
+
+
+def requantize_int4_rows(w: Int4Weight) -> Int8Weight:
+    """The int4 weight as int8 with one scale per output row: scale[n] = max(largest |value| of the row, tiny) / 127,
+    the largest being max over groups of scales[n, g] * max(|zeros[n, g]|, |15 - zeros[n, g]|); codes
+    round((q - zeros[n, g]) * (scales[n, g] * (1 / scale[n]))), each within half an int8 step of the int4 value."""
+    out_features, in_features = w.shape
+    groups = in_features // w.group_size
+    largest = (w.scales * torch.maximum(w.zeros.abs(), (15 - w.zeros).abs())).amax(dim=1)
+    scale = largest.clamp_min(torch.finfo(torch.float32).tiny) / 127
+    factor = (w.scales * scale.reciprocal()[:, None])[..., None]
+    q = unpack_int4(w.packed).float().view(out_features, groups, w.group_size)
+    codes = torch.round((q - w.zeros[..., None]) * factor).to(torch.int8).view(out_features, in_features)
+    return Int8Weight(qweight=codes, scales=scale)
 
 
 def _split_tiles(x: torch.Tensor, w: Int4Weight, workspace: torch.Tensor | None) -> torch.Tensor:

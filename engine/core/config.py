@@ -42,9 +42,9 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads for torch; default: torch's choice
     served_model_name: str | None = None
     # None: weights in `dtype`. int8 (per output channel) or int4 (group-wise, with zero points): the four
-    # projections of every layer (and, in int8, an untied lm_head) are quantized at load (round to nearest);
-    # embeddings, norms and LoRA adapters stay in `dtype`, which is also the activations' dtype (int8 on a CPU
-    # with VNNI or AMX rounds the quantized matmuls' inputs to 8 bits per token: decision 0039).
+    # projections of every layer are quantized at load (round to nearest), an untied lm_head to int8; embeddings,
+    # norms and LoRA adapters stay in `dtype`, which is also the activations' dtype (on a CPU with VNNI or AMX the
+    # quantized matmuls round their inputs to 8 bits per token: decision 0039).
     quantization: QuantizationName | None = None
     # LoRA: adapters resident in the pool at once, the largest rank accepted, distinct adapters per step, the
     # host-memory tier's budget (bytes), and where s3:// adapters are read from (None: AWS's endpoint).

@@ -4,7 +4,7 @@ Weights are plain tensors, fused where one matmul can do the work of several (q/
 matmuls are what a CPU (and a GPU at small batch) runs fastest. On a CPU, float32 projections and an untied
 lm_head are kept input-major (quant_linear.matmul_layout), the layout MKL multiplies fastest at decode sizes.
 With quantization the four projections of each layer are int8 or int4 weight objects instead
-(engine/model/quant_linear.py), quantized at load one layer at a time, and int8 quantizes an untied lm_head too;
+(engine/model/quant_linear.py), quantized at load one layer at a time, and an untied lm_head becomes int8;
 everything else stays in the model's dtype.
 Every forward takes a ForwardBatch of flat tokens from many sequences at once; attention reads each sequence's
 keys through its block table.
@@ -28,7 +28,7 @@ from loraplex.engine.model.quantization import QuantizationName
 from loraplex.engine.model.rope import RotaryEmbedding, interleave_rotary_rows
 from loraplex.engine.model.weights import CheckpointTensors
 from loraplex.kernels.paged_attention import paged_attention
-from loraplex.kernels.quant import Int4Weight
+from loraplex.kernels.quant import Int4Weight, quantize_int8
 
 # A row-major lm_head (half types, tied embeddings) in vocabulary slices this tall: the slice of weights stays in
 # cache while every row uses it (decision 0019 has the figures). A float32 one is stored input-major
@@ -253,11 +253,12 @@ class LlamaModel:
         )
 
     def _head(self, tensors: CheckpointTensors) -> Weight:
-        """An untied lm_head: int8 in int8 mode (in decode it is the largest matmul of a small model, 16M of the
-        benchmark model's 40M multiply-adds per token; decision 0039), else in the model's dtype."""
+        """An untied lm_head: int8 when quantizing (int4 too: the logits are where 4 bits would cost the most, as
+        llama.cpp's 4-bit mixes keep their output layer at 6 bits; in decode it is the largest matmul of a small
+        model, 16M of the benchmark model's 40M multiply-adds per token; decision 0039), else in the model's dtype."""
         shape = (self.config.vocab_size, self.config.hidden_size)
-        if self.quantization == "int8":
-            return self._quantized(self._take(tensors, "lm_head.weight", shape, dtype=torch.float32))
+        if self.quantization is not None:
+            return quantize_int8(self._take(tensors, "lm_head.weight", shape, dtype=torch.float32))
         return matmul_layout(self._take(tensors, "lm_head.weight", shape))
 
     def _quantized(self, weight: torch.Tensor) -> Weight:
@@ -292,7 +293,7 @@ class LlamaModel:
         return sum(nbytes(w) for w in weights)
 
     def projection_bytes(self) -> int:
-        """Bytes of the layers' four projections (quantization also changes an untied lm_head in int8 mode)."""
+        """Bytes of the layers' four projections (quantization also changes an untied lm_head: see _head)."""
         return sum(nbytes(w) for layer in self.layers for w in layer.projections())
 
     # --- forward -------------------------------------------------------------------------------------------------

@@ -66,9 +66,10 @@ def addmm(residual: torch.Tensor, x: torch.Tensor, weight: Weight) -> torch.Tens
     if isinstance(weight, torch.Tensor):
         # addmm adds the residual inside the matmul: one pass over the activations fewer.
         return torch.addmm(residual, x, weight.t())
+    workspace = _workspace(x, weight.shape[1])
     if isinstance(weight, Int8Weight):
-        return int8_linear(x, weight, residual=residual, workspace=_workspace(x, weight.shape[1]))
-    return linear(x, weight).add_(residual)  # the product is a fresh tensor: add into it, not into residual
+        return int8_linear(x, weight, residual=residual, workspace=workspace)
+    return int4_linear(x, weight, residual=residual, workspace=workspace)
 
 
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:

@@ -55,10 +55,10 @@ def engine() -> None:
     "--quantization",
     type=click.Choice(["int8", "int4"]),
     default=None,
-    help="Quantize the decoder layers' weights at load (round to nearest): int8 per output channel (an untied "
-    "lm_head too; on CPUs with AVX-512 VNNI or AMX the activations are rounded to 8 bits per token for integer "
-    "matmuls, LORAPLEX_INT8_ACTIVATIONS=0 keeps them float), int4 in groups of 128 with zero points (weight-only). "
-    "Embeddings and LoRA adapters stay in --dtype. GPTQ and AWQ "
+    help="Quantize the decoder layers' weights at load (round to nearest): int8 per output channel, int4 in groups "
+    "of 128 with zero points; an untied lm_head becomes int8 in both. On CPUs with AVX-512 VNNI or AMX their "
+    "activations are rounded to 8 bits per token for integer matmuls (LORAPLEX_INT8_ACTIVATIONS=0 keeps them "
+    "float). Embeddings and LoRA adapters stay in --dtype. GPTQ and AWQ "
     "4-bit checkpoints are recognized from their config and served as they are: leave this unset for them.",
 )
 @click.option(

@@ -1,6 +1,8 @@
-// loraplex's native CPU operators (kernels/native.py builds this file at install time and loads it).
+// loraplex's native CPU operators (kernels/native.py builds this file and quant_ops.cpp at install time and loads
+// them).
 //
-// Two hot loops of CPU decode that torch ops can only express as many tiny calls:
+// Two hot loops of CPU decode that torch ops can only express as many tiny calls (the quantized matmuls with 8-bit
+// activations are in quant_ops.cpp):
 // - decode_attention: one query per sequence over its paged K/V, read in place from the pool (no gathered copy),
 //   one pass with an online softmax per (sequence, kv head), the group's query heads sharing each key and value read;
 // - lora_add: every adapter segment's shrink (x @ A^T) and expands (h @ B^T) of one fused projection in one call,
@@ -9,81 +11,11 @@
 // OpenMP runtime. The torch paths (kernels/paged_attention.py, kernels/sgmv_*.py) define the semantics and stay
 // the reference the tests compare against. float32 only: the CPU engine's dtype for speed.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <limits>
-#include <vector>
+#include "common.h"
 
 namespace {
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-inline void axpy(float* __restrict y, const float* __restrict x, float a, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-inline void scale_in_place(float* __restrict y, float a, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] *= a;
-}
-
-inline float abs_max(const float* __restrict x, int64_t n) {
-  int64_t k = 0;
-  float amax = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 acc = _mm256_setzero_ps();
-  for (; k + 8 <= n; k += 8) acc = _mm256_max_ps(acc, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (float v : lanes) amax = std::max(amax, v);
-#endif
-  for (; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
-  return amax;
-}
-
-// q[k] = rint(x[k] * inv) (to nearest, ties to even, as torch.round), for values that fit int8.
-inline void quantize_row(const float* __restrict x, int8_t* __restrict q, float inv, int64_t n) {
-  int64_t k = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 v = _mm256_set1_ps(inv);
-  // packs works within 128-bit lanes: this puts the 4-byte groups back in order.
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (; k + 32 <= n; k += 32) {
-    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), v));
-    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), v));
-    const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 16), v));
-    const __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 24), v));
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permutevar8x32_epi32(packed, order));
-  }
-#endif
-  for (; k < n; ++k) q[k] = static_cast<int8_t>(std::lrintf(x[k] * inv));
-}
-
-void check_f32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
-}
-
-void check_i64(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(), name,
-              " must be a contiguous int64 CPU tensor");
-}
+using namespace loraplex_cpu;
 
 // Split [0, n) items of the given costs into `parts` runs of about equal cost; returns parts + 1 boundaries.
 std::vector<int64_t> balanced_runs(const std::vector<double>& cost, int64_t parts) {
@@ -102,6 +34,8 @@ std::vector<int64_t> balanced_runs(const std::vector<double>& cost, int64_t part
 }
 
 }  // namespace
+
+using namespace loraplex_cpu;
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Eight sums of eight lanes each, as one vector: lane i holds the sum of v[i]'s lanes.
@@ -405,80 +339,17 @@ void lora_add(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight
 }
 
 
-// W8A8 linear: each row of x quantized on the fly to int8 with its own symmetric scale, an integer product with the
-// weight's int8 codes (at::_int_mm: int32 accumulators, exact), the result scaled by the row's and the channel's
-// scale: y[m, n] = float(acc[m, n]) * sx[m] * sw[n] (+ bias[n]) (+ residual[m, n]), where sx[m] =
-// max(max|x[m, :]|, FLT_MIN) / 127 and q[m, k] = rint(x[m, k] * (1 / sx[m])). The same arithmetic, in the same
-// order, as kernels/quant_int8.py's int8_linear_dynamic (the reference): one pass over x and one over y instead of
-// the eight elementwise ops there.
-at::Tensor int8_linear_dynamic(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
-  check_f32(x, "x");
-  check_f32(scales, "scales");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [num_tokens, in_features] tensor");
-  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
-                  qweight.is_contiguous() && qweight.size(1) == x.size(1),
-              "qweight must be a contiguous int8 [out_features, in_features] tensor matching x");
-  const int64_t rows = x.size(0), in_features = x.size(1), out_features = qweight.size(0);
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == out_features && scales.is_contiguous(), "scales must be [out]");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    check_f32(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous(), "bias must be [out]");
-    b = bias->data_ptr<float>();
-  }
-  const float* r = nullptr;
-  if (residual.has_value()) {
-    check_f32(*residual, "residual");
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == out_features &&
-                    residual->is_contiguous(),
-                "residual must be a contiguous [num_tokens, out_features] tensor");
-    r = residual->data_ptr<float>();
-  }
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  if (rows == 0 || out_features == 0) return y;
-  at::Tensor xq = at::empty({rows, in_features}, x.options().dtype(at::kChar));
-  std::vector<float> sx(rows);
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(in_features, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* row = xp + m * in_features;
-      const float scale = std::max(abs_max(row, in_features), std::numeric_limits<float>::min()) / 127.f;
-      sx[m] = scale;
-      quantize_row(row, qp + m * in_features, 1.f / scale, in_features);
-    }
-  });
-  const at::Tensor acc = at::_int_mm(xq, qweight.t());
-  const int32_t* ap = acc.data_ptr<int32_t>();
-  const int64_t acc_stride = acc.stride(0);
-  const float* sw = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / out_features), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const int32_t* a = ap + m * acc_stride;
-      float* out = yp + m * out_features;
-      const float s = sx[m];
-#pragma omp simd
-      for (int64_t n = 0; n < out_features; ++n) out[n] = static_cast<float>(a[n]) * s * sw[n];
-      if (b != nullptr) axpy(out, b, 1.f, out_features);
-      if (r != nullptr) axpy(out, r + m * out_features, 1.f, out_features);
-    }
-  });
-  return y;
-}
-
 TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor ctx_lens, "
         "Tensor tokens, float scale, Tensor(a!) out) -> ()");
   m.def("lora_add(Tensor x, Tensor(a!) y, Tensor weights, Tensor segments, Tensor bases, Tensor a_offsets, "
         "Tensor a_ranks, Tensor outputs, Tensor modules) -> ()");
   m.def("int8_linear_dynamic(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("int4_linear_dynamic(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size, Tensor? bias, "
+        "Tensor? residual) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("lora_add", &lora_add);
-  m.impl("int8_linear_dynamic", &int8_linear_dynamic);
 }

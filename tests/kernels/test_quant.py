@@ -131,7 +131,8 @@ def _int8_paths() -> list[tuple[str, Linear]]:
 
 
 def _int4_paths() -> list[tuple[str, Linear]]:
-    return [("torch", quant.int4_linear_torch), ("triton", quant.int4_linear_triton), ("dispatch", quant.int4_linear)]
+    weight_only = functools.partial(quant.int4_linear, dynamic=False)
+    return [("torch", quant.int4_linear_torch), ("triton", quant.int4_linear_triton), ("dispatch", weight_only)]
 
 
 class TestInt8Linear:
@@ -267,6 +268,66 @@ class TestInt8Dynamic:
             quant.int8_activations.cache_clear()
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="8-bit activations are a CPU path")
+class TestInt4Dynamic:
+    """int4_linear_dynamic: the int4 rows requantized to int8 for the call, then the int8 path."""
+
+    @pytest.mark.parametrize("group_size", [32, 64, 128])
+    def test_requantized_rows_stay_within_half_an_int8_step(self, group_size: int) -> None:
+        weight = _weight(72, 256)
+        weight[3, :group_size] = weight[3, :group_size].abs() + 0.5  # one sign: a zero point outside 0..15
+        w = quant.quantize_int4(weight, group_size)
+        assert (w.zeros[3, 0] < 0) or (w.zeros[3, 0] > 15)
+        rows = quant.requantize_int4_rows(w)
+        int4 = quant.dequantize_int4(w, torch.float32)
+        int8 = rows.qweight.float() * rows.scales[:, None]
+        assert ((int8 - int4).abs() <= rows.scales[:, None] * (0.5 + 1e-5)).all()
+        assert (rows.qweight.abs().amax(dim=1) == 127).all(), "each row's largest value takes the full range"
+
+    @pytest.mark.parametrize("num_tokens", [1, 7, 65])
+    @pytest.mark.parametrize("with_bias", [False, True])
+    @pytest.mark.parametrize("group_size", [32, 128])
+    @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+    def test_is_the_int8_path_over_the_requantized_rows(
+        self, num_tokens: int, with_bias: bool, group_size: int, native: bool
+    ) -> None:
+        if native and not native_ops.load():
+            pytest.skip("the native operators are not built (make native)")
+        w = quant.quantize_int4(_weight(136, 256), group_size)
+        x, bias = _inputs(num_tokens, 256, 136, torch.float32, with_bias)
+        residual = torch.randn(num_tokens, 136, generator=torch.Generator().manual_seed(3))
+        y = quant.int4_linear_dynamic(x, w, bias, residual=residual, native=native)
+        expected = quant.int8_linear_dynamic(x, quant.requantize_int4_rows(w), bias, residual=residual)
+        torch.testing.assert_close(y, expected, atol=2e-5, rtol=1e-5)
+
+    def test_native_requantizes_to_the_same_codes(self) -> None:
+        if not native_ops.load():
+            pytest.skip("the native operators are not built (make native)")
+        for group_size in (32, 64, 128):
+            w = quant.quantize_int4(_weight(200, 384, seed=group_size), group_size)
+            rows = quant.requantize_int4_rows(w)
+            # Identity rows quantize exactly (code 127, scale 1 / 127), so the product is each code times its scale.
+            product = quant.int4_linear_dynamic(torch.eye(384), w, native=True).t()
+            torch.testing.assert_close(product, rows.qweight.float() * rows.scales[:, None], atol=0, rtol=1e-6)
+
+    def test_dispatch_and_no_tokens(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        w = quant.quantize_int4(_weight(24, 64), 32)
+        x, _ = _inputs(5, 64, 24, torch.float32, False)
+        for native in (False, True):
+            assert quant.int4_linear_dynamic(torch.empty(0, 64), w, native=native).shape == (0, 24)
+        try:
+            monkeypatch.setenv("LORAPLEX_INT8_ACTIVATIONS", "1")
+            quant.int8_activations.cache_clear()
+            torch.testing.assert_close(quant.int4_linear(x, w), quant.int4_linear_dynamic(x, w), atol=2e-5, rtol=1e-5)
+            monkeypatch.setenv("LORAPLEX_INT8_ACTIVATIONS", "0")
+            quant.int8_activations.cache_clear()
+            assert torch.equal(quant.int4_linear(x, w), quant.int4_linear_torch(x, w))
+        finally:
+            quant.int8_activations.cache_clear()
+        with pytest.raises(ValueError, match="residual must be"):
+            quant.int4_linear_dynamic(x, w, residual=torch.zeros(5, 23), native=True)
+
+
 class TestWorkspace:
     @pytest.mark.parametrize("num_tokens", [3, 70])
     def test_a_kept_workspace_gives_the_same_results(self, num_tokens: int) -> None:
@@ -279,7 +340,7 @@ class TestWorkspace:
                 quant.int8_linear(x, w8, bias, workspace=workspace, dynamic=False), quant.int8_linear_torch(x, w8, bias)
             )
             assert torch.equal(
-                quant.int4_linear(x, w4, bias, workspace=workspace), quant.int4_linear_torch(x, w4, bias)
+                quant.int4_linear(x, w4, bias, workspace=workspace, dynamic=False), quant.int4_linear_torch(x, w4, bias)
             )
 
     def test_rejects_a_workspace_too_small(self) -> None:
@@ -303,7 +364,7 @@ class TestInt4Linear:
         x, bias = _inputs(num_tokens, 384, 96, dtype, with_bias)
         expected = _reference(x, quant.dequantize_int4(w, torch.float32), bias)
         _assert_close(quant.int4_linear_torch(x, w, bias), expected, dtype)
-        _assert_close(quant.int4_linear(x, w, bias), expected, dtype)
+        _assert_close(quant.int4_linear(x, w, bias, dynamic=False), expected, dtype)
 
     @pytest.mark.parametrize("num_tokens", [5, 40])
     def test_torch_path_covers_matrices_of_several_tiles(
