@@ -54,7 +54,7 @@ chromium:
 # 9.5 (566 s), report.py 10 s: about 22 minutes, over the aim; the suite's large-model headline is the part to trim.
 # platform_overhead's services setup needs Postgres and Redis at its default URLs (see its --database-url and
 # --redis-url); without them: make bench BENCH_OVERHEAD_ARGS="--setup embedded".
-BENCH_OVERHEAD_ARGS ?= --setup both
+BENCH_OVERHEAD_ARGS ?= --setup both --requests 100
 bench: $(STAMP) native
 	$(BIN)/python benchmarks/engine_throughput.py --repeats 1 --batch-sizes 32,64
 	$(BIN)/python benchmarks/lora_throughput.py --repeats 1 --batch-sizes 64

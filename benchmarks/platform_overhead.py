@@ -113,6 +113,7 @@ def timed_steps(spans: dict[str, list[float]]) -> Callable[[], None]:
 def wrap_resources(resources: Any, spans: dict[str, list[float]]) -> None:
     for owner, attribute, name in (
         (resources.authenticator, "tenant", "authenticate"),
+        (resources.admitter, "admit", "admission"),
         (resources.rate_limiter, "acquire", "rate_limit"),
         (resources.leases, "acquire", "lease"),
         (resources.leases, "release", "lease_release"),

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from loraplex.engine import LLM, SamplingParams
 from loraplex.engine.tools.demo import BOS_TOKEN, END_OF_TEXT_TOKEN
+from loraplex.kernels.quant import int8_activations
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "quant_quality.json"
@@ -74,6 +75,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     results: dict[str, Any] = {"model": "demo/model", "windows": NUM_WINDOWS, "window_tokens": WINDOW, "modes": {}}
+    # Whether int8 and int4 rounded activations to 8 bits per token (CPUs with VNNI or AMX; decision 0039).
+    results["int8_activations"] = int8_activations()
     reference: torch.Tensor | None = None
     windows: list[list[int]] = []
     for name, dtype, quantization in MODES:

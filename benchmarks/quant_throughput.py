@@ -33,6 +33,7 @@ from lora_throughput import NUM_ADAPTERS, make_adapters, popularity
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.tools.demo import BENCHMARK_SPEC, write_random_model
+from loraplex.kernels.quant import int8_activations
 
 RESULTS = Path(__file__).parent / "results" / "quant_throughput.json"
 
@@ -161,6 +162,8 @@ def main() -> None:
             entry["projection_bytes_over_bf16"] = entry["projection_bytes"] / reference["projection_bytes"]
     output = {
         "model_parameters": config.num_parameters(),
+        # Whether int8 and int4 rounded activations to 8 bits (CPUs with VNNI or AMX; decision 0039).
+        "int8_activations": int8_activations(),
         "threads": args.threads,
         "adapters": {"count": NUM_ADAPTERS, "distinct_in_trace": len(set(owners)), "targets": "all linear"},
         "workload": {"requests": len(workload.prompts), "useful_output_tokens": workload.useful_tokens},

@@ -127,6 +127,7 @@ def _lora_rows(doc: dict[str, Any]) -> list[Row]:
 def _quant_rows(doc: dict[str, Any]) -> list[Row]:
     modes = doc["modes"]
     base = modes["float32"]["tokens_per_s"]
+    activations = "8-bit activations per token" if doc.get("int8_activations") else "float32 activations"
     rows = []
     for name in ("int8", "int4"):
         if name not in modes:
@@ -136,7 +137,7 @@ def _quant_rows(doc: dict[str, Any]) -> list[Row]:
             measured += f"; projections {share:.2f} of bf16's bytes"
         rows.append(
             Row(
-                f"{name} / float32 weights, tokens/s with LoRA (float32 activations)",
+                f"{name} / float32 weights, tokens/s with LoRA ({activations})",
                 f"**{modes[name]['tokens_per_s'] / base:.2f}**",
                 measured,
             )
@@ -147,9 +148,10 @@ def _quant_rows(doc: dict[str, Any]) -> list[Row]:
 def _quality_rows(doc: dict[str, Any]) -> list[Row]:
     modes = doc["modes"]
     reference = modes["float32"]["perplexity"]
+    activations = ", 8-bit activations per token" if doc.get("int8_activations") else ""
     return [
         Row(
-            f"{name} / float32 weights, perplexity (demo model)",
+            f"{name} / float32 weights, perplexity (demo model{activations})",
             f"**{pct(modes[name]['perplexity'] / reference - 1, signed=True)}**",
             f"{modes[name]['perplexity']:.2f} against {reference:.2f}",
         )

@@ -162,8 +162,10 @@ def prefix_cache(doc: dict[str, Any], results: Results, plots: Plots) -> list[st
     return [*lines, "", writes("prefix_cache") + "."]
 
 
-def _weights(mode: dict[str, Any]) -> tuple[str, str]:
+def _weights(mode: dict[str, Any], int8_activations: bool = False) -> tuple[str, str]:
     activations = {"float32": "float32", "bfloat16": "bf16", "float16": "fp16"}.get(mode["dtype"], mode["dtype"])
+    if mode["quantization"] is not None and int8_activations:
+        activations = f"int8 per token (from {activations})"
     return mode["quantization"] or activations, activations
 
 
@@ -200,10 +202,11 @@ def _share(value: float | None, digits: int) -> str:
 
 def quant_throughput(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
     modes = doc["modes"]
+    integer = bool(doc.get("int8_activations"))
     unquantized = {m["dtype"]: m["tokens_per_s"] for m in modes.values() if m["quantization"] is None}
     rows = []
     for mode in modes.values():
-        weights, activations = _weights(mode)
+        weights, activations = _weights(mode, integer)
         runs = ", ".join(num(r) for r in mode.get("tokens_per_s_runs", []))
         # A bf16 checkpoint's bf16 tensors stay backed by the file's mapped pages: their RSS is not comparable.
         load = mib(mode["load_peak_rss_bytes"]) if mode["dtype"] == "float32" else "—"
@@ -226,12 +229,22 @@ def quant_throughput(doc: dict[str, Any], results: Results, plots: Plots) -> lis
     ]
     header = ["weights", "activations", "tok/s (runs)", "vs unquantized, same activations", "weight bytes / bf16"]
     lines += table([*header, "projection bytes / bf16", "peak RSS while loading"], rows)
+    if integer:
+        why = (
+            "This CPU multiplies int8 natively (VNNI or AMX), so int8 and int4 round each quantized matmul's input to"
+            " 8 bits per token and multiply in integers (int4 requantized to int8 rows per call); the logits move a"
+            " little more than weight-only"
+            " (docs/decisions/0039-int8-activations-where-the-cpu-has-int8-dot-products.md)."
+        )
+    else:
+        why = (
+            "On a CPU without int8 dot products (VNNI, AMX), quantized weights buy memory (more adapters and KV pages"
+            " beside the base model), not speed: the CPU path widens each weight tile to float32 before its matmul."
+        )
     lines += [
         "",
-        "On a CPU, quantized weights buy memory (more adapters and KV pages beside the base model), not speed: the"
-        " CPU path widens each weight tile to float32 before its matmul. Embeddings and lm_head stay in the"
-        " activations' dtype, so this small model's whole-weight ratios are well above its projections'."
-        f" {writes('quant_throughput')}.",
+        f"{why} An untied lm_head is int8 in both modes; embeddings stay in the activations' dtype, so this small"
+        f" model's whole-weight ratios are well above its projections'. {writes('quant_throughput')}.",
     ]
     if "bfloat16" in unquantized and unquantized["bfloat16"] < unquantized.get("float32", 0.0):
         lines[-1] += (
@@ -396,6 +409,7 @@ PLATFORM_STEPS = {
     "tenant_terms": "tenant's terms",
     "engine_body": "request body",
     "route": "routing",
+    "admission": "admission (rate limits and lease, one round trip)",
     "rate_limit": "rate limit",
     "lease": "concurrency lease",
     "_collect": "engine call",

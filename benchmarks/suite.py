@@ -97,13 +97,13 @@ class Sizes:
 
 FULL = Sizes(
     headline_small=TraceConfig(64, input_len="32:96", output_len="32", num_adapters=32, concurrency=16),
-    headline_large=TraceConfig(24, input_len="32:64", output_len="16", num_adapters=8, concurrency=8),
+    headline_large=TraceConfig(16, input_len="32:64", output_len="16", num_adapters=8, concurrency=8),
     peft_batch_sizes=(16, 64),
-    peft_batch_sizes_large=(8, 24),
-    sweep=TraceConfig(64, input_len="32:96", output_len="16", num_adapters=32, concurrency=16),
+    peft_batch_sizes_large=(8, 16),
+    sweep=TraceConfig(48, input_len="32:96", output_len="16", num_adapters=32, concurrency=16),
     adapter_counts=(1, 8, 64, 512, 2048),
-    rate_requests=48,
-    rate_fractions=(0.25, 0.5, 0.75, 1.0, 1.5, 2.0),
+    rate_requests=40,
+    rate_fractions=(0.25, 0.5, 1.0, 1.5, 2.0),
     chat=ChatConfig(
         4, 2, turns="3", system_len="192", question_len="16:32", answer_len="16", think_s="0.2:0.6", rate=1.0
     ),
