@@ -2,8 +2,9 @@
 requests on the ~56M random Llama, 32 adapters of ranks 8-64 on all linear layers) through one warm engine, the
 operators switched off and on in turn in the same process, base-only and with adapters, for --rounds rounds.
 
-One engine for all runs, so the figures are a warm engine's; lora_throughput.py times a freshly built engine's first
-`generate`, which runs slower (docs/decisions/0036-native-cpu-operators.md).
+One engine for all runs, its prefix cache off: the runs repeat the same prompts, which a prefix cache would serve
+from its blocks after the first (the "fresh engine runs slower" gap an earlier version of this script showed was
+that, not a cold engine: docs/decisions/0036-native-cpu-operators.md).
 
     .venv/bin/python benchmarks/native_ab.py [--rounds 2] [--threads 2]
 
@@ -62,6 +63,9 @@ def main() -> None:
             max_num_batched_tokens=8192,
             max_adapters_per_batch=NUM_ADAPTERS,
             max_loras=NUM_ADAPTERS,
+            # Every run repeats the same prompts: with the prefix cache on, all but the first would skip their
+            # prefill, which is what made an earlier version's "warm engine" figures look faster than a fresh one's.
+            enable_prefix_caching=False,
         )
         lora_compute = llm.engine.runner.lora
         assert lora_compute is not None
