@@ -50,7 +50,7 @@ from loraplex.platform.domain.fleet.client import (
     InProcessEngineClient,
     retry_after_seconds,
 )
-from loraplex.platform.domain.fleet.registry import BALANCE_SLACK, RECENT_S, Replica, Router
+from loraplex.platform.domain.fleet.registry import AFFINITY_KEY, BALANCE_SLACK, RECENT_S, Replica, Router
 from loraplex.platform.kv import RedisStore
 from loraplex.platform.settings import Settings
 
@@ -1082,6 +1082,21 @@ async def test_residency_and_warmth_win_only_while_the_load_is_in_balance(router
     assert ids[: int(BALANCE_SLACK) + 1] == ["b"] * (int(BALANCE_SLACK) + 1)
     assert ids[-1] == "a"
 
+
+
+async def test_a_single_replica_costs_no_affinity_round_trip(router_kv: RedisStore) -> None:
+    fleet = StaticFleet([_idle("a")])
+    router = Router(fleet, router_kv)
+    picked = await router.pick(BASE, None, "tenant-3:")
+    assert picked is not None and picked.id == "a"
+    assert await router_kv.get(AFFINITY_KEY.format(key="tenant-3:")) is None, "one candidate: nothing to remember"
+    # A second replica joins: the affinity is recorded from the next pick on, and followed after it.
+    fleet.replicas_now = [_idle("a"), _idle("b")]
+    first = await router.pick(BASE, None, "tenant-3:")
+    assert first is not None
+    assert await router_kv.get(AFFINITY_KEY.format(key="tenant-3:")) == first.id.encode()
+    again = await router.pick(BASE, None, "tenant-3:")
+    assert again is not None and again.id == first.id
 
 # --- an engine that dies (stays last: it kills the module's engine) ----------------------------------------------
 

@@ -13,7 +13,9 @@ guards keep those preferences from piling work onto one replica:
   SGLang's cache-aware router falls back to the shortest queue when the fleet is out of balance): a hot adapter or a
   busy tenant is served by a second replica rather than queueing behind itself.
 A replica that refused a connection is left out of routing for UNREACHABLE_S (a crashed engine's key lives on for up
-to its TTL); if every replica of the base model is left out, they are tried anyway.
+to its TTL); if every replica of the base model is left out, they are tried anyway. With a single candidate there is
+nothing to choose: the affinity is neither read nor written (a round trip to Redis saved per request), so the first
+request of a prefix after a second replica joins picks by load and records its affinity from then on.
 """
 
 from __future__ import annotations
@@ -180,6 +182,8 @@ class Router:
         candidates = [r for r in serving if self.fleet.reachable(r)] or serving
         if not candidates:
             return None
+        if len(candidates) == 1:
+            affinity = None  # nothing to choose: no round trip for the affinity (see the module's docstring)
         warm_id = None
         if affinity is not None:
             try:
