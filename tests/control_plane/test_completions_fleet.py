@@ -1083,7 +1083,6 @@ async def test_residency_and_warmth_win_only_while_the_load_is_in_balance(router
     assert ids[-1] == "a"
 
 
-
 async def test_a_single_replica_costs_no_affinity_round_trip(router_kv: RedisStore) -> None:
     fleet = StaticFleet([_idle("a")])
     router = Router(fleet, router_kv)
@@ -1097,6 +1096,7 @@ async def test_a_single_replica_costs_no_affinity_round_trip(router_kv: RedisSto
     assert await router_kv.get(AFFINITY_KEY.format(key="tenant-3:")) == first.id.encode()
     again = await router.pick(BASE, None, "tenant-3:")
     assert again is not None and again.id == first.id
+
 
 # --- an engine that dies (stays last: it kills the module's engine) ----------------------------------------------
 
