@@ -49,16 +49,17 @@ chromium:
 	$$SUDO env $(APT_CHROMIUM) || { $$SUDO apt-get update && $$SUDO env $(APT_CHROMIUM); }
 
 # The CPU benchmark suite, then docs/benchmarks.md and its plots regenerated from benchmarks/results/ (report.py).
-# Fewer repeats than the commands on that page, aiming at 20 minutes on 2 cores. Measured 2026-12-03 (AMD EPYC,
-# AVX2): engine_throughput 2.5 min, lora_throughput 3, quant_throughput 2, platform_overhead 4, the serving suite
-# 9.5 (566 s), report.py 10 s: about 22 minutes, over the aim; the suite's large-model headline is the part to trim.
+# Fewer repeats than the commands on that page, aiming at 20 minutes on 2 cores. Measured 2026-12-05 on an AMD EPYC
+# with AVX-512 VNNI: about 11 minutes (engine_throughput 2 min, lora_throughput 2, quant_throughput 2.5,
+# platform_overhead 1.5, the serving suite 5.6); on 2026-12-03 an AVX2-only EPYC took 22 minutes before the suite was
+# trimmed to its present size (its large-model headline and sweeps send fewer requests now).
 # platform_overhead's services setup needs Postgres and Redis at its default URLs (see its --database-url and
 # --redis-url); without them: make bench BENCH_OVERHEAD_ARGS="--setup embedded".
 BENCH_OVERHEAD_ARGS ?= --setup both --requests 100
 bench: $(STAMP) native
 	$(BIN)/python benchmarks/engine_throughput.py --repeats 1 --batch-sizes 32,64
 	$(BIN)/python benchmarks/lora_throughput.py --repeats 1 --batch-sizes 64
-	$(BIN)/python benchmarks/quant_throughput.py --rounds 1 --requests 32 --modes float32,bfloat16,int8,int4
+	$(BIN)/python benchmarks/quant_throughput.py --rounds 2 --requests 32 --modes float32,bfloat16,int8,int4
 	$(BIN)/python benchmarks/platform_overhead.py $(BENCH_OVERHEAD_ARGS)
 	$(BIN)/python benchmarks/suite.py
 	$(BIN)/python benchmarks/report.py

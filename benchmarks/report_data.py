@@ -29,8 +29,8 @@ class Benchmark:
     what: str  # what it measures, in a few words
 
 
-# Every results file the page reads. `make bench` (Makefile) runs the main ones with fewer repeats, to fit in 20
-# minutes on 2 cores; these are the commands as each script's docstring gives them.
+# Every results file the page reads, with the command that wrote it: for the ones `make bench` runs, its arguments
+# (fewer repeats than the scripts' defaults, to fit in 20 minutes on 2 cores); for the others, their docstrings'.
 BENCHMARKS: dict[str, Benchmark] = {
     "suite": Benchmark(f"{PYTHON} benchmarks/suite.py", "online serving: latency under load, adapters, pool, cache"),
     "engine_throughput": Benchmark(
@@ -44,7 +44,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         f"{PYTHON} benchmarks/lora_throughput.py --repeats 1 --batch-sizes 64",
         "offline multi-LoRA throughput against peft",
     ),
-    "quant_throughput": Benchmark(f"{PYTHON} benchmarks/quant_throughput.py", "quantized weights: speed and memory"),
+    "quant_throughput": Benchmark(
+        f"{PYTHON} benchmarks/quant_throughput.py --rounds 2 --requests 32 --modes float32,bfloat16,int8,int4",
+        "quantized weights: speed and memory",
+    ),
     "quant_quality": Benchmark(f"{PYTHON} benchmarks/quant_quality.py", "quantized weights: perplexity"),
     "prefix_cache": Benchmark(f"{PYTHON} benchmarks/prefix_cache.py", "prefix cache on a multi-turn chat trace"),
     "speculative": Benchmark(f"{PYTHON} benchmarks/speculative.py --repeats 7", "speculative decoding"),
@@ -54,9 +57,11 @@ BENCHMARKS: dict[str, Benchmark] = {
     "fairness": Benchmark(f"{PYTHON} benchmarks/fairness.py --duration 30 --repeats 3", "fair share under a flood"),
     "reasoning": Benchmark(f"{PYTHON} benchmarks/reasoning.py --repeats 9", "reasoning effort tiers"),
     "platform_overhead": Benchmark(
-        f"{PYTHON} benchmarks/platform_overhead.py --setup both", "what the platform adds per request"
+        f"{PYTHON} benchmarks/platform_overhead.py --setup both --requests 100", "what the platform adds per request"
     ),
-    "decode_profile": Benchmark(f"{PYTHON} benchmarks/decode_profile.py", "the matmul floor of the offline trace"),
+    "decode_profile": Benchmark(
+        f"{PYTHON} benchmarks/decode_profile.py --skip-profile", "the matmul floor of the offline trace"
+    ),
 }
 
 
