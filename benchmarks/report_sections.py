@@ -248,8 +248,8 @@ def quant_throughput(doc: dict[str, Any], results: Results, plots: Plots) -> lis
     ]
     if "bfloat16" in unquantized and unquantized["bfloat16"] < unquantized.get("float32", 0.0):
         lines[-1] += (
-            " Here bf16 ran slower than float32: this CPU has no bf16 instructions, so quantized weights with bf16"
-            " activations (widened to float32) beat plain bf16 (docs/decisions/0028-cpu-quantized-matmul-findings.md)."
+            " Here bf16 ran slower than float32 (docs/decisions/0028-cpu-quantized-matmul-findings.md has the"
+            " measurements behind that on CPUs without bf16 instructions)."
         )
     return lines
 
