@@ -52,8 +52,8 @@ def _visible_start(text: str, stop: int, *, closed: bool) -> int | None:
 
 def _visible_end(text: str, begin: int, stop: int, *, closed: bool) -> int:
     """Where the visible reasoning of the block text[:stop] ends: before the end marker and the whitespace around it;
-    while the block is open, before a tail that may still become the end marker, and before trailing whitespace
-    (which the end may drop)."""
+    while the block is open, before a tail that may still become the end marker, before trailing whitespace, and
+    before a whole end marker at its end (which the end would drop)."""
     end = stop
     if closed:
         end = _back_over_space(text, end, begin)
@@ -64,7 +64,12 @@ def _visible_end(text: str, begin: int, stop: int, *, closed: bool) -> int:
         if text.startswith(THINK_END[:length], end - length, end):
             end -= length
             break
-    return _back_over_space(text, end, begin)
+    end = _back_over_space(text, end, begin)
+    # A whole end marker the engine did not end the block at (text that spells it): if the output stops here, the
+    # block's end drops it (and the whitespace around it), so it waits until something follows it.
+    if end - begin >= len(THINK_END) and text.startswith(THINK_END, end - len(THINK_END), end):
+        end = _back_over_space(text, end - len(THINK_END), begin)
+    return end
 
 
 def _reasoning_of(text: str, stop: int) -> str | None:
