@@ -17,10 +17,13 @@ else:
 __all__ = [
     "GROUP_SIZE",
     "HAS_TRITON",
+    "MIN_SCALE",
     "Int4Weight",
     "Int8Weight",
+    "check_residual",
     "dequantize_int4",
     "dequantize_int8",
+    "native_operands",
     "pack_int4",
     "quantize_int4",
     "quantize_int8",
@@ -33,8 +36,9 @@ GROUP_SIZE = 128  # input features per int4 scale and zero point
 TILE_ELEMS = 1 << 19
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Keeps all-zero rows and groups finite: their values quantize to 0 (int8) or to the zero point (int4).
-_MIN_SCALE = torch.finfo(torch.float32).tiny
+# Keeps all-zero rows and groups finite: their values quantize to 0 (int8) or to the zero point (int4); the same for
+# the rows of activations the dynamic paths quantize.
+MIN_SCALE = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     Every element is then within scale / 2 of its dequantized value."""
     _check_weight(weight)
     w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127).clamp_min(_MIN_SCALE)
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(MIN_SCALE)
     qweight = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(qweight=qweight.contiguous(), scales=scales.contiguous())
 
@@ -113,7 +117,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Wei
         raise ValueError(f"int4 needs in_features ({in_features}) to be a multiple of group_size ({group_size})")
     w = weight.float().reshape(out_features, in_features // group_size, group_size)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
-    scales = torch.where(hi > lo, (hi - lo) / 15, lo.abs()).clamp_min_(_MIN_SCALE)
+    scales = torch.where(hi > lo, (hi - lo) / 15, lo.abs()).clamp_min_(MIN_SCALE)
     zeros = torch.round(-lo / scales)
     q = (torch.round(w / scales[..., None]) + zeros[..., None]).clamp_(0, 15).to(torch.uint8)
     q = q.view(out_features, in_features)
@@ -182,6 +186,18 @@ def check_linear(x: torch.Tensor, shape: tuple[int, int], device: torch.device, 
         raise ValueError(f"x is on {x.device}, the weight on {device}")
     if bias is not None and (bias.shape != (out_features,) or bias.device != device):
         raise ValueError(f"bias must be [{out_features}] on {device}, got {tuple(bias.shape)} on {bias.device}")
+
+
+def check_residual(residual: torch.Tensor | None, num_tokens: int, out_features: int) -> None:
+    """A dynamic path's residual, when given, is [num_tokens, out_features]."""
+    if residual is not None and residual.shape != (num_tokens, out_features):
+        raise ValueError(f"residual must be [{num_tokens}, {out_features}], got {tuple(residual.shape)}")
+
+
+def native_operands(*tensors: torch.Tensor | None) -> bool:
+    """Whether the native CPU operators take these float operands (None: an absent optional one): float32,
+    contiguous, not on a GPU."""
+    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda) for t in tensors)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,13 @@ import torch
 
 from loraplex.kernels.quant_formats import (
     HAS_TRITON,
+    MIN_SCALE,
     TILE_ELEMS,
     Int4Weight,
     Int8Weight,
     check_linear,
+    check_residual,
+    native_operands,
     prepare_launch,
     tile_buffer,
     tile_rows,
@@ -78,10 +81,8 @@ def int4_linear_dynamic(
     in x.dtype; nothing requantized is kept. `native`: float32 operands go to the native operator (the caller
     checked it is loaded), which requantizes in one pass (a table lookup per nibble) and computes the same."""
     check_linear(x, w.shape, w.packed.device, bias)
-    operands = (x, w.scales, w.zeros, bias, residual)
-    if native and all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in operands):
-        if residual is not None and residual.shape != (x.shape[0], w.shape[0]):
-            raise ValueError(f"residual must be [{x.shape[0]}, {w.shape[0]}], got {tuple(residual.shape)}")
+    check_residual(residual, x.shape[0], w.shape[0])
+    if native and native_operands(x, w.scales, w.zeros, bias, residual):
         y: torch.Tensor = torch.ops.loraplex_cpu.int4_linear_dynamic(
             x, w.packed, w.scales, w.zeros, w.group_size, bias, residual
         )
@@ -96,7 +97,7 @@ def requantize_int4_rows(w: Int4Weight) -> Int8Weight:
     out_features, in_features = w.shape
     groups = in_features // w.group_size
     largest = (w.scales * torch.maximum(w.zeros.abs(), (15 - w.zeros).abs())).amax(dim=1)
-    scale = largest.clamp_min(torch.finfo(torch.float32).tiny) / 127
+    scale = largest.clamp_min(MIN_SCALE) / 127
     factor = (w.scales * scale.reciprocal()[:, None])[..., None]
     q = unpack_int4(w.packed).float().view(out_features, groups, w.group_size)
     codes = torch.round((q - w.zeros[..., None]) * factor).to(torch.int8).view(out_features, in_features)

@@ -9,15 +9,16 @@ import torch
 
 from loraplex.kernels.quant_formats import (
     HAS_TRITON,
+    MIN_SCALE,
     TILE_ELEMS,
     Int8Weight,
     check_linear,
+    check_residual,
+    native_operands,
     prepare_launch,
     tile_buffer,
     tile_rows,
 )
-
-_MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row quantizes to zeros
 
 if HAS_TRITON:
     import triton  # type: ignore[import-untyped]
@@ -89,15 +90,14 @@ def int8_linear_dynamic(
     which computes the same in one pass over x and one over the output."""
     check_linear(x, w.shape, w.qweight.device, bias)
     num_tokens, out_features = x.shape[0], w.shape[0]
-    if residual is not None and residual.shape != (num_tokens, out_features):
-        raise ValueError(f"residual must be [{num_tokens}, {out_features}], got {tuple(residual.shape)}")
-    if native and _native_fits(x, w, bias, residual):
+    check_residual(residual, num_tokens, out_features)
+    if native and w.qweight.is_contiguous() and native_operands(x, w.scales, bias, residual):
         y: torch.Tensor = torch.ops.loraplex_cpu.int8_linear_dynamic(x, w.qweight, w.scales, bias, residual)
         return y
     if num_tokens == 0:
         return torch.empty(0, out_features, dtype=x.dtype, device=x.device)
     xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min_(_MIN_SCALE).div_(127)
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min_(MIN_SCALE).div_(127)
     xq = torch.round(xf * scale.reciprocal()).to(torch.int8)
     y = torch._int_mm(xq, w.qweight.t()).float()
     y.mul_(scale).mul_(w.scales)
@@ -106,14 +106,6 @@ def int8_linear_dynamic(
     if residual is not None:
         y.add_(residual)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
-
-
-def _native_fits(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, residual: torch.Tensor | None) -> bool:
-    """Whether the native operator takes these operands: float32 and contiguous, on the CPU."""
-    if not w.qweight.is_contiguous():
-        return False
-    operands = (x, w.scales, bias, residual)
-    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda) for t in operands)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
