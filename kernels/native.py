@@ -48,7 +48,7 @@ def _tag() -> str:
     digest = hashlib.sha256()
     for path in sorted(CSRC.glob("*.[ch]*")):
         digest.update(path.read_bytes())
-    digest.update(" ".join([*_cflags(), *_LINK]).encode())
+    digest.update(" ".join([*_cflags(), "link-apart", *_LINK]).encode())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()[:16]
 
@@ -66,15 +66,31 @@ def build(*, verbose: bool = False) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compiler = os.environ.get("CXX", "g++")
+    objects = [target.with_name(f"{target.stem}_{source.stem}.o") for source in SOURCES]
+    # Compiled with the flags, linked without them: gcc links crtfastmath.o into a library linked with -ffast-math,
+    # and that object turns on flush-to-zero for the whole process that loads it (every float op, not only ours).
+    for source, obj in zip(SOURCES, objects, strict=True):
+        command = [
+            compiler,
+            "-c",
+            "-fPIC",
+            *_cflags(),
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{p}" for p in include_paths()),
+            f"-I{sysconfig.get_paths()['include']}",
+            str(source),
+            "-o",
+            str(obj),
+        ]
+        if verbose:
+            print(" ".join(command))
+        subprocess.run(command, check=True)
     command = [
-        os.environ.get("CXX", "g++"),
+        compiler,
         "-shared",
         "-fPIC",
-        *_cflags(),
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *(f"-I{p}" for p in include_paths()),
-        f"-I{sysconfig.get_paths()['include']}",
-        *(str(source) for source in SOURCES),
+        *(str(obj) for obj in objects),
         "-o",
         str(target.with_suffix(".tmp")),
         *(f"-L{p}" for p in library_paths()),
@@ -84,6 +100,8 @@ def build(*, verbose: bool = False) -> Path:
     if verbose:
         print(" ".join(command))
     subprocess.run(command, check=True)
+    for obj in objects:
+        obj.unlink()
     target.with_suffix(".tmp").rename(target)  # atomic: a concurrent loader never sees half a library
     return target
 
