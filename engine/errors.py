@@ -32,3 +32,7 @@ class EngineOverloaded(EngineError):
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class WorkerFailed(EngineError):
+    """A tensor-parallel rank failed to start, or died: the engine cannot run a step without it."""

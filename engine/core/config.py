@@ -70,6 +70,9 @@ class EngineConfig:
     # Reasoning models (vLLM's --reasoning-parser, with per-tier thinking budgets): the think block is followed per
     # request, split from the answer, counted, and held to the request's budget (reasoning.py). None: off.
     reasoning: ReasoningConfig | None = None
+    # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks, one process each
+    # (engine/parallel; one CUDA device each, or CPU processes). 1: not split.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPE_NAMES):
@@ -104,6 +107,10 @@ class EngineConfig:
             raise ValueError("max_loras and max_adapters_per_batch must be at least 1")
         if not 1 <= self.max_lora_rank <= 1024:
             raise ValueError("max_lora_rank must be between 1 and 1024")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be a positive integer")
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None and self.speculative_config.model:
+            raise ValueError("a draft model (speculative_config.model) runs with tensor_parallel_size 1 only")
 
     def resolve_device(self) -> torch.device:
         import torch  # here, not at the top: the platform reads configs without loading torch

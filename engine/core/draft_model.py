@@ -41,7 +41,7 @@ from loraplex.engine.core.draft_adapters import DraftAdapters
 from loraplex.engine.core.request import Request
 from loraplex.engine.core.speculative_config import SpeculativeConfig
 from loraplex.engine.lora.batch import LoraBatch, LoraStep
-from loraplex.engine.lora.manager import AdapterEntry, AdapterManager
+from loraplex.engine.lora.manager import AdapterEntry, AdapterManager, kernel_slot
 from loraplex.engine.memory.page_pool import KVLayer, PageId, PageKind, PagePool
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.forward_batch import build_forward_batch
@@ -329,8 +329,8 @@ class DraftModelProposer:
         widths = np.ones(num_seqs, dtype=np.int64) if logits_of is None else np.asarray(logits_of, dtype=np.int64)
         lora: LoraStep | None = None
         if self.adapters is not None:
-            adapters = [seq.adapter for seq, _ in entries]
-            segments = LoraBatch.tile(adapters, query_lens.tolist(), self.draft.model.device)
+            slots = [kernel_slot(seq.adapter) for seq, _ in entries]
+            segments = LoraBatch.tile(slots, query_lens.tolist(), self.draft.model.device)
             lora = LoraStep(self.adapters.compute, segments) if segments else None
         batch = build_forward_batch(
             [token for _, tokens in entries for token in tokens],

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,17 +21,18 @@ from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.draft_model import DraftModel, DraftModelProposer
 from loraplex.engine.core.output_processor import OutputProcessor
 from loraplex.engine.core.outputs import RequestOutput
-from loraplex.engine.core.reasoning import Phase, ReasoningMarkers, ReasoningState
+from loraplex.engine.core.reasoning import ReasoningMarkers, ReasoningState
 from loraplex.engine.core.reasoning_config import ReasoningConfig
 from loraplex.engine.core.rejection_sampler import accepted_prefix
 from loraplex.engine.core.request import Request, RequestStatus
 from loraplex.engine.core.request_memory import RequestMemory
+from loraplex.engine.core.row_sampler import RowSampler
 from loraplex.engine.core.runner import ModelRunner
-from loraplex.engine.core.sampler import Sampler, SamplingMetadata, TokenLogprobs, position_generator
+from loraplex.engine.core.sampler import Sampler, TokenLogprobs
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.scheduler import KeyService, QueueStats, Scheduler, SchedulerConfig
 from loraplex.engine.core.speculator import SpeculationCounts, Speculator
-from loraplex.engine.core.structured_output import CompiledGrammar, GrammarCompiler, GrammarState, fill_bitmasks
+from loraplex.engine.core.structured_output import CompiledGrammar, GrammarCompiler, GrammarState
 from loraplex.engine.errors import ContextLengthExceeded, RequestError
 from loraplex.engine.lora.batch import LoraCompute
 from loraplex.engine.lora.manager import AdapterEntry, AdapterManager, AdapterManagerConfig
@@ -37,8 +41,10 @@ from loraplex.engine.memory.kv_cache import KVCacheManager
 from loraplex.engine.memory.page_pool import PagePool, PoolUsage
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.llama import LlamaModel
+from loraplex.engine.model.tensor_parallel import ShardPlan
 from loraplex.engine.model.tokenizer import Tokenizer
 from loraplex.engine.model.weights import CheckpointTensors
+from loraplex.engine.parallel.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +95,49 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len()
         self.served_model_name = config.served_model_name or path.name
 
+        size = config.tensor_parallel_size
+        shards = [ShardPlan.make(self.model_config, rank, size) for rank in range(size)] if size > 1 else []
+        # The other ranks start first, so they load their shards while this process loads its own.
+        self.workers = (
+            TensorParallelGroup.start(
+                size=size,
+                model=str(path),
+                dtype=self.dtype,
+                device=self.device,
+                quantization=config.quantization,
+                max_positions=self.max_model_len,
+                block_size=config.block_size,
+                num_threads=config.num_threads or max(1, (os.cpu_count() or 1) // size),
+                max_loras=config.max_loras,
+            )
+            if size > 1
+            else None
+        )
+        if self.workers is not None:
+            weakref.finalize(self, self.workers.close)
+        try:
+            self._build(config, path, shards)
+        except BaseException:
+            self.close()
+            raise
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        self.eos_token_ids = self.tokenizer.eos_token_ids | self.model_config.eos_token_ids
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.reasoning: ReasoningMarkers | None = None
+        self.set_reasoning(config.reasoning)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_batched_tokens = 0
+        self.num_preemptions = 0
+        default_generator = torch.Generator(device=self.device)
+        default_generator.manual_seed(config.seed)
+        self.row_sampler = RowSampler(
+            Sampler(), self.outputs, self.grammars, self.model_config.vocab_size, default_generator, self.device
+        )
+
+    def _build(self, config: EngineConfig, path: Path, shards: list[ShardPlan]) -> None:
+        """Load this rank's model and make the pool, adapters, scheduler and runner (under tensor parallelism, with
+        the other ranks loading and joining in step)."""
         started = time.perf_counter()
         self.model = LlamaModel(
             self.model_config,
@@ -96,9 +145,14 @@ class EngineCore:
             device=self.device,
             max_positions=self.max_model_len,
             quantization=config.quantization,
+            shard=shards[0] if shards else None,
+            comm=self.workers.comm if self.workers is not None else None,
         )
         self.model.load(CheckpointTensors(path))
         self.weight_bytes = self.model.weight_bytes()
+        if self.workers is not None:
+            self.workers.wait_loaded()
+            self.weight_bytes += self.workers.worker_weight_bytes
         logger.info(
             "loaded %s (%s, weights %s, %.1f M parameters, %.1f MiB) in %.1f s",
             path,
@@ -126,7 +180,9 @@ class EngineCore:
         if draft is not None:  # the draft's weights are the engine's too: they take memory the pool cannot have
             self.weight_bytes += draft.model.weight_bytes()
         self.pool = self._create_pool()
-        c = self.model_config
+        if self.workers is not None:
+            self.workers.connect(self.pool.num_pages)
+        c = self.model.config  # this rank's heads under tensor parallelism
         kv_caches = [self.pool.kv_layer(i, c.num_kv_heads, config.block_size, c.head_dim) for i in range(c.num_layers)]
         self.kv = KVCacheManager(self.pool, config.block_size, prefix_caching=config.enable_prefix_caching)
         self.adapters = AdapterManager(
@@ -142,6 +198,8 @@ class EngineCore:
                 s3_secret_access_key=config.s3_secret_access_key,
             ),
             reserved_pages=-(-self.max_model_len // config.block_size),
+            shards=shards,
+            mirror=self.workers,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -176,19 +234,8 @@ class EngineCore:
             block_size=config.block_size,
             device=self.device,
             lora=LoraCompute(self.adapters, self.device),
+            workers=self.workers,
         )
-        self.sampler = Sampler()
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        self.eos_token_ids = self.tokenizer.eos_token_ids | self.model_config.eos_token_ids
-        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.reasoning: ReasoningMarkers | None = None
-        self.set_reasoning(config.reasoning)
-        self.requests: dict[str, Request] = {}
-        self.num_steps = 0
-        self.num_batched_tokens = 0
-        self.num_preemptions = 0
-        self._default_generator = torch.Generator(device=self.device)
-        self._default_generator.manual_seed(config.seed)
 
     def _resolve_max_model_len(self) -> int:
         c = self.model_config
@@ -203,7 +250,9 @@ class EngineCore:
         return self.config.max_model_len
 
     def _create_pool(self) -> PagePool:
-        c = self.model_config
+        """This rank's pool: pages of its KV heads; the budget is per rank (a fraction on a CPU is shared out, since
+        the ranks share its memory). Every rank gets the same number of pages."""
+        c = self.model.config
         block_size = self.config.block_size
         page_elems = 2 * c.num_kv_heads * block_size * c.head_dim
         page_bytes = c.num_layers * page_elems * torch.empty(0, dtype=self.dtype).element_size()
@@ -212,7 +261,7 @@ class EngineCore:
             if self.device.type == "cuda":
                 free = torch.cuda.mem_get_info(self.device)[0]
             else:
-                free = psutil.virtual_memory().available
+                free = psutil.virtual_memory().available // self.config.tensor_parallel_size
             budget = int(free * budget)
         num_pages = budget // page_bytes
         needed = -(-self.max_model_len // block_size)
@@ -391,7 +440,9 @@ class EngineCore:
         return self.adapters.resolve(lora.name, lora.path)
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; outputs of every request that got a new token or finished."""
+        """Run one step; outputs of every request that got a new token or finished. Raises WorkerFailed once a
+        tensor-parallel rank has died."""
+        self.check_workers()
         started = time.perf_counter()
         outputs = self._fail_requests_of(self.adapters.poll())
         sched = self.scheduler.schedule()
@@ -408,7 +459,9 @@ class EngineCore:
 
         rows, proposals = prepared.sample_requests, prepared.spec_token_ids
         num_emitted = 0
-        for request, proposal, drawn in zip(rows, proposals, self._sample(rows, proposals, logits), strict=True):
+        for request, proposal, drawn in zip(
+            rows, proposals, self.row_sampler.sample(rows, proposals, logits), strict=True
+        ):
             if not proposal:
                 outputs.append(self._emit(request, drawn))
                 num_emitted += 1
@@ -430,81 +483,6 @@ class EngineCore:
                 speculated=sched.speculation_asked,
             )
         return outputs
-
-    def _sample(
-        self, rows: list[Request], proposals: list[list[int]], logits: torch.Tensor
-    ) -> list[list[tuple[int, TokenLogprobs | None]]]:
-        """What each row draws at each of its positions (one, or 1 + its proposal's length: the logits rows of
-        runner.PreparedStep), with its logprobs when asked, in one sampler call. Position j of a row that verifies a
-        proposal is sampled as the row would be had it kept the first j proposals: its output so far (for
-        penalties), its grammar's mask, its forbidden tokens (min_tokens) and its think block's forced tokens all
-        include them. A seeded row draws each position with that position's own generator
-        (sampler.position_generator), so what it draws does not depend on whether the position was speculated.
-
-        A row inside its think block has no grammar mask: the grammar constrains the answer after the block. A row
-        with a grammar that may still open a block may take the grammar's tokens or the opening marker's first."""
-        params: list[SamplingParams] = []
-        generators: list[torch.Generator | None] = []
-        outputs: list[list[int]] = []
-        forbidden: list[frozenset[int]] = []
-        forced: list[int | None] = []
-        prompts: list[list[int]] = []
-        constrained: list[tuple[int, GrammarState, list[int]]] = []
-        also_allowed: list[tuple[int, int]] = []
-        for request, proposal in zip(rows, proposals, strict=True):
-            row_params = request.sampling_params
-            seed = None if row_params.is_greedy else row_params.seed
-            state = request.reasoning
-            if request.grammar is not None:
-                if state is None or not state.is_open:
-                    constrained.append((len(params), request.grammar, proposal))
-                elif state.phase is Phase.OPENING and not state.matched:  # such a row never speculates
-                    constrained.append((len(params), request.grammar, []))
-                    if state.forbids_marker() is None:
-                        also_allowed.append((len(params), state.markers.start_ids[0]))
-            done = request.output_token_ids
-            for j in range(len(proposal) + 1):
-                params.append(row_params)
-                outputs.append(done if j == 0 else done + proposal[:j])
-                banned = self.outputs.forbidden_tokens(request, ahead=j)
-                if state is not None:
-                    banned |= self.outputs.reasoning_forbidden(request, state)
-                    forced.append(state.forced(complete_marker=request.grammar is not None))
-                    if j < len(proposal):
-                        state = state.after(proposal[j])
-                else:
-                    forced.append(None)
-                forbidden.append(banned)
-                prompts.append(request.prompt_token_ids)
-                generators.append(None if seed is None else position_generator(seed, len(done) + j, self.device))
-        metadata = SamplingMetadata.build(
-            params,
-            generators,
-            outputs,
-            forbidden_token_ids=forbidden,
-            default_generator=self._default_generator,
-            device=self.device,
-            prompt_token_ids=prompts,
-            grammar=fill_bitmasks(
-                constrained, len(params), self.model_config.vocab_size, self.grammars.json_safe, also_allowed
-            )
-            if constrained
-            else None,
-            forced_token_ids=forced if any(token is not None for token in forced) else None,
-        )
-        sampled = self.sampler.sample(logits, metadata)
-        drawn: list[list[tuple[int, TokenLogprobs | None]]] = []
-        start = 0
-        for proposal in proposals:
-            end = start + len(proposal) + 1
-            drawn.append(
-                [
-                    (sampled.token_ids[i], sampled.logprobs[i] if sampled.logprobs is not None else None)
-                    for i in range(start, end)
-                ]
-            )
-            start = end
-        return drawn
 
     def _emit(
         self, request: Request, token_ids: list[tuple[int, TokenLogprobs | None]], *, num_proposed: int = 0
@@ -571,6 +549,31 @@ class EngineCore:
             if (speculator := self.scheduler.speculator) is not None
             else (),
         )
+
+    # --- tensor parallelism's other ranks ------------------------------------------------------------------------
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the other tensor-parallel ranks (none without tensor parallelism)."""
+        return self.workers.pids if self.workers is not None else []
+
+    def check_workers(self) -> None:
+        """Raise WorkerFailed once another tensor-parallel rank has died (the engine cannot step without it)."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def on_worker_failure(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from another thread) when another tensor-parallel rank dies; never without them."""
+        if self.workers is not None:
+            self.workers.on_failure(callback)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and the adapter loaders; the engine serves nothing after."""
+        if self.workers is not None:
+            self.workers.close()
+        adapters = getattr(self, "adapters", None)  # absent when the build failed before it
+        if adapters is not None:
+            adapters.shutdown()
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request uses (vLLM's reset_prefix_cache); returns how many."""

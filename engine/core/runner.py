@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
 
 from loraplex.engine.core.request import Request
 from loraplex.engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from loraplex.engine.lora.batch import LoraBatch, LoraCompute, LoraStep
-from loraplex.engine.memory.page_pool import KVLayer, kv_rows
-from loraplex.engine.model.forward_batch import ForwardBatch, build_forward_batch
+from loraplex.engine.lora.batch import LoraCompute
+from loraplex.engine.lora.manager import kernel_slot
+from loraplex.engine.memory.page_pool import KVLayer
+from loraplex.engine.model.forward_batch import ForwardBatch
 from loraplex.engine.model.llama import LlamaModel
+from loraplex.engine.parallel.group import TensorParallelGroup
+from loraplex.engine.parallel.step import HostBatch
 
 
 @dataclass(slots=True)
 class PreparedStep:
+    host: HostBatch  # what the other tensor-parallel ranks build their batch from
     batch: ForwardBatch
     # The requests that sample this step. Request i owns logits rows [logits_offsets[i], logits_offsets[i + 1]): one
     # row, or 1 + len(spec_token_ids[i]) when it verifies proposals (the distributions after 0, 1, ... of them).
@@ -35,12 +38,15 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         lora: LoraCompute | None = None,
+        workers: TensorParallelGroup | None = None,
     ) -> None:
+        """`workers`: the other tensor-parallel ranks, which run every forward with this one."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.lora = lora
+        self.workers = workers
 
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
         """Build the step's ForwardBatch. Call before the scheduler's requests advance num_computed_tokens."""
@@ -59,20 +65,19 @@ class ModelRunner:
             (1 + len(s.spec_token_ids) if s.completes_prompt else 0 for s in scheduled), dtype=np.int64, count=num_seqs
         )
         sampling = [s for s in scheduled if s.completes_prompt]
-        adapters = [s.request.adapter for s in scheduled]
-        segments = LoraBatch.tile(adapters, query_lens.tolist(), self.device)
-        batch = build_forward_batch(
+        host = HostBatch(
             input_ids,
             starts,
             query_lens,
             [s.request.blocks.block_ids for s in scheduled],
             widths,
-            block_size=self.block_size,
-            kv_rows=partial(kv_rows, num_kv_heads=self.model.config.num_kv_heads, block_size=self.block_size),
-            device=self.device,
-            lora=LoraStep(self.lora, segments) if self.lora is not None and segments else None,
+            [kernel_slot(s.request.adapter) for s in scheduled],
+        )
+        batch = host.forward_batch(
+            num_kv_heads=self.model.config.num_kv_heads, block_size=self.block_size, device=self.device, lora=self.lora
         )
         return PreparedStep(
+            host=host,
             batch=batch,
             sample_requests=[s.request for s in sampling],
             spec_token_ids=[s.spec_token_ids for s in sampling],
@@ -81,10 +86,11 @@ class ModelRunner:
 
     def execute(self, step: PreparedStep) -> torch.Tensor:
         """float32 logits [step.logits_offsets[-1], vocab]: the sampling requests' rows, in order."""
+        if self.workers is not None:
+            self.workers.send(step.host)
         hidden = self.model.forward(step.batch, self.kv_caches)
         return self.model.compute_logits(hidden[step.batch.logits_indices])
 
 
 def _adapter_order(scheduled: ScheduledRequest) -> int:
-    adapter = scheduled.request.adapter
-    return -1 if adapter is None or adapter.slot is None else adapter.slot
+    return kernel_slot(scheduled.request.adapter)

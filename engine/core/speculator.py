@@ -8,7 +8,7 @@ token, and books each row's outcome here (its acceptance estimate and the counte
 
 Every row speculates but one with logits processors (a processor is the caller's code, which may keep state and
 must see each position once, in order) and one with an output grammar still inside its think block. A verifying
-row's positions are sampled as the sampler samples any row (engine_core._sample), each as if the proposals before
+row's positions are sampled as the sampler samples any row (row_sampler.py), each as if the proposals before
 it were kept (penalties, grammar mask, min_tokens, a think block's forced tokens), so greedy rows are token for
 token what they would be without speculation, random rows keep the target's distribution (rejection_sampler.py),
 and logprobs are the target's.

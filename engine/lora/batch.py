@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from loraplex.engine.lora.layout import GROUPS
-from loraplex.engine.lora.manager import AdapterEntry, AdapterManager
+from loraplex.engine.lora.layout import GROUPS, AdapterLayout
+from loraplex.engine.memory.page_pool import PageId, PagePool
+from loraplex.engine.model.config import ModelConfig
 from loraplex.kernels import native
 from loraplex.kernels.sgmv import sgmv_expand, sgmv_shrink
 
@@ -28,15 +30,43 @@ def _lora_add(*args: torch.Tensor) -> None:
 SINGLE_THREAD_MAX_ROWS = 64
 
 
+class PlacedAdapter(Protocol):
+    """An adapter in pool pages, as the compute reads it (the manager's AdapterEntry; a tensor-parallel worker's
+    mirror of one)."""
+
+    @property
+    def pages(self) -> list[PageId]: ...
+
+    @property
+    def base(self) -> int | None: ...
+
+    @property
+    def layout(self) -> AdapterLayout | None: ...
+
+
+class AdapterSlots(Protocol):
+    """The slot table the compute reads: the AdapterManager, or a tensor-parallel worker's mirror of rank 0's."""
+
+    @property
+    def version(self) -> int: ...  # changes whenever a slot does
+
+    @property
+    def slots(self) -> Sequence[PlacedAdapter | None]: ...
+
+    @property
+    def pool(self) -> PagePool: ...
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
+    def group_columns(self, group: str) -> list[tuple[int, int]]: ...
+
+
 @dataclass(slots=True)
 class LoraSegment:
     start: int  # first token row
     end: int  # one past the last
-    adapter: AdapterEntry | None  # None: base-model rows
-
-    @property
-    def slot(self) -> int:
-        return -1 if self.adapter is None or self.adapter.slot is None else self.adapter.slot
+    slot: int  # the adapter's slot; -1: base-model rows
 
 
 @dataclass(slots=True)
@@ -60,24 +90,22 @@ class LoraBatch:
         return self._native_segments
 
     def __bool__(self) -> bool:
-        return any(segment.adapter is not None for segment in self.segments)
+        return any(segment.slot >= 0 for segment in self.segments)
 
     @classmethod
-    def tile(
-        cls, adapters: Sequence[AdapterEntry | None], query_lens: Sequence[int], device: torch.device
-    ) -> LoraBatch:
-        """Segments tiling a forward's token rows, sequence i's query_lens[i] rows running adapters[i]: one segment
-        per run of consecutive sequences with the same adapter (or none). Empty when no sequence has one."""
-        if all(adapter is None for adapter in adapters):
+    def tile(cls, slots: Sequence[int], query_lens: Sequence[int], device: torch.device) -> LoraBatch:
+        """Segments tiling a forward's token rows, sequence i's query_lens[i] rows running the adapter in slots[i]
+        (-1: none): one segment per run of consecutive sequences with the same slot. Empty when no sequence has one."""
+        if all(slot < 0 for slot in slots):
             return cls()
         segments: list[LoraSegment] = []
         end = 0
-        for adapter, num_rows in zip(adapters, query_lens, strict=True):
+        for slot, num_rows in zip(slots, query_lens, strict=True):
             start, end = end, end + int(num_rows)
-            if segments and segments[-1].adapter is adapter:
+            if segments and segments[-1].slot == slot:
                 segments[-1].end = end
             else:
-                segments.append(LoraSegment(start, end, adapter))
+                segments.append(LoraSegment(start, end, slot))
         return cls.of(segments, device)
 
     @classmethod
@@ -89,7 +117,7 @@ class LoraBatch:
             host=host,
             seg_starts=torch.tensor(starts, dtype=torch.int32, device=device),
             seg_slots=torch.tensor([slot for _, _, slot in host], dtype=torch.int32, device=device),
-            longest=max((s.end - s.start for s in segments if s.adapter is not None), default=0),
+            longest=max((s.end - s.start for s in segments if s.slot >= 0), default=0),
         )
 
 
@@ -134,7 +162,7 @@ class LoraCompute:
     change (the manager's version), not per step.
     """
 
-    def __init__(self, adapters: AdapterManager, device: torch.device) -> None:
+    def __init__(self, adapters: AdapterSlots, device: torch.device) -> None:
         self.adapters = adapters
         self.device = device
         self._version = -1
@@ -243,7 +271,7 @@ class LoraCompute:
         self._version = self.adapters.version
 
     def _group_table(
-        self, slots: list[AdapterEntry | None], layer: int, group: str, modules: tuple[str, ...]
+        self, slots: Sequence[PlacedAdapter | None], layer: int, group: str, modules: tuple[str, ...]
     ) -> _GroupTable:
         placements = [
             None if e is None or e.layout is None else e.layout.layers[layer].groups.get(group) for e in slots

@@ -72,6 +72,16 @@ def group_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, i
     }
 
 
+def group_columns(config: ModelConfig, group: str) -> list[tuple[int, int]]:
+    """Each module's column range in the base model's fused output of `group`, in the group's order."""
+    _, outs = group_shapes(config)[group]
+    columns, start = [], 0
+    for _, width in outs:
+        columns.append((start, start + width))
+        start += width
+    return columns
+
+
 def layout_adapter(adapter: LoraAdapter, config: ModelConfig, page_elems: int) -> AdapterLayout:
     shapes = group_shapes(config)
     layers: list[LayerLayout] = []

@@ -15,10 +15,11 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,10 +33,12 @@ from loraplex.engine.lora import (
     parse_adapter,
     read_adapter_dir,
 )
-from loraplex.engine.lora.layout import AdapterLayout, group_shapes, layout_adapter, pack_layer
+from loraplex.engine.lora.layout import AdapterLayout, group_columns, layout_adapter, pack_layer
 from loraplex.engine.lora.ref import S3_SCHEME, AdapterRef
+from loraplex.engine.lora.sharding import shard_adapter
 from loraplex.engine.memory.page_pool import PageId, PageKind, PagePool
 from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.tensor_parallel import ShardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +51,34 @@ class AdapterState(enum.Enum):
     FAILED = "failed"
 
 
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A loaded adapter as it goes into pages: its layout and, per layer, the flat region of each rank (rank 0's
+    alone without tensor parallelism; every rank's shard has the same layout)."""
+
+    layout: AdapterLayout
+    ranks: list[list[torch.Tensor]]  # [rank][layer]
+
+
+class AdapterMirror(Protocol):
+    """Told of every change of the slot table, so that other ranks' pools follow it (tensor parallelism)."""
+
+    def placed(self, slot: int, pages: list[PageId], layout: AdapterLayout, ranks: list[list[torch.Tensor]]) -> None:
+        """The adapter of `layout` now occupies `pages` under `slot`; `ranks[r]` is rank r's packed layers."""
+        ...
+
+    def evicted(self, slot: int) -> None: ...
+
+
 @dataclass(eq=False)
 class AdapterEntry:
     ref: AdapterRef
     state: AdapterState
-    future: Future[tuple[AdapterLayout, list[torch.Tensor]]] | None = None
+    future: Future[Packed] | None = None
     error: Exception | None = None
     layout: AdapterLayout | None = None
-    host: list[torch.Tensor] | None = None  # per layer, packed
+    host: list[torch.Tensor] | None = None  # per layer, packed (rank 0's shard under tensor parallelism)
+    others: list[list[torch.Tensor]] | None = None  # the other ranks' packed layers, kept and dropped with `host`
     pages: list[PageId] = field(default_factory=list)
     slot: int | None = None
     base: int | None = None  # element offset of the region when its pages are one run (views in place)
@@ -67,7 +90,30 @@ class AdapterEntry:
 
     @property
     def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.host or [])
+        tensors = [*(self.host or []), *(t for rank in self.others or [] for t in rank)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def write_pages(pool: PagePool, layer: int, pages: list[PageId], packed: torch.Tensor) -> None:
+    """Copy an adapter's packed region of `layer` into its pages, page by page."""
+    flat = pool.storage[layer].view(-1)
+    page_elems = pool.page_elems
+    for i, start in enumerate(range(0, packed.numel(), page_elems)):
+        chunk = packed[start : start + page_elems]
+        base = pages[i] * page_elems
+        flat[base : base + chunk.numel()].copy_(chunk)
+
+
+def run_base(pages: list[PageId], page_elems: int) -> int | None:
+    """The element offset of an adapter's region when its pages are one ascending run (the compute then reads it in
+    place), else None."""
+    contiguous = all(b == a + 1 for a, b in itertools.pairwise(pages))
+    return pages[0] * page_elems if contiguous else None
+
+
+def kernel_slot(entry: AdapterEntry | None) -> int:
+    """An adapter's slot as the LoRA kernels' metadata names it: -1 for none (or one not resident)."""
+    return -1 if entry is None or entry.slot is None else entry.slot
 
 
 class S3Reader:
@@ -135,15 +181,25 @@ class AdapterManager:
         *,
         reserved_pages: int = 0,
         pool_key: str = "adapter",
+        shards: Sequence[ShardPlan] = (),
+        mirror: AdapterMirror | None = None,
     ) -> None:
         """`model_config` is the model the adapters are for; it may have fewer layers than the pool (a draft model's
         adapters): each adapter uses its layers' share of its pages. `pool_key` tags this manager's entries on the
         pool's eviction list: managers sharing a pool need distinct ones, since the same adapter (digest) may be
-        resident in both."""
+        resident in both.
+
+        Under tensor parallelism `shards` are every rank's plans (this pool is rank 0's): adapters are validated
+        whole, then split (engine/lora/sharding.py), and `mirror` hears of each placement with the other ranks'
+        shards and of each eviction, so their pools hold the same adapters at the same pages."""
         self.pool = pool
         self.reserved_pages = reserved_pages  # KV pages one request of the longest context may need
         self.pool_key = pool_key
-        self.model_config = model_config
+        self.checkpoint_config = model_config  # what adapters are validated against
+        self.shards = tuple(shards)
+        self.mirror = mirror
+        # What the pages hold and the compute reads: rank 0's local shapes under tensor parallelism.
+        self.model_config = self.shards[0].local if len(self.shards) > 1 else model_config
         self.config = config
         self.entries: dict[str, AdapterEntry] = {}  # by digest
         self.slots: list[AdapterEntry | None] = [None] * config.max_loras
@@ -194,8 +250,8 @@ class AdapterManager:
             entry.future = self._executor.submit(self._load, ref)
         return entry
 
-    def _load(self, ref: AdapterRef) -> tuple[AdapterLayout, list[torch.Tensor]]:
-        """Worker thread: read, verify the digest, validate, pack. Touches no engine state."""
+    def _load(self, ref: AdapterRef) -> Packed:
+        """Worker thread: read, verify the digest, validate, split over the ranks, pack. Touches no engine state."""
         config_bytes, weights_bytes = self.read_files(ref.source)
         digest = adapter_digest(config_bytes, weights_bytes)
         if digest != ref.digest:
@@ -203,11 +259,12 @@ class AdapterManager:
                 f"adapter {ref.name} changed: its files hash to {digest}, not {ref.digest}", field="digest"
             )
         adapter: LoraAdapter = parse_adapter(
-            config_bytes, weights_bytes, self.model_config, max_rank=self.config.max_rank, dtype=self.pool.dtype
+            config_bytes, weights_bytes, self.checkpoint_config, max_rank=self.config.max_rank, dtype=self.pool.dtype
         )
-        layout = layout_adapter(adapter, self.model_config, self.pool.page_elems)
-        host = [pack_layer(adapter, layout, i, self.pool.dtype) for i in range(self.model_config.num_layers)]
-        return layout, host
+        parts = [shard_adapter(adapter, plan) for plan in self.shards] if len(self.shards) > 1 else [adapter]
+        layout = layout_adapter(parts[0], self.model_config, self.pool.page_elems)
+        layers = range(self.model_config.num_layers)
+        return Packed(layout, [[pack_layer(part, layout, i, self.pool.dtype) for i in layers] for part in parts])
 
     def poll(self) -> list[AdapterEntry]:
         """Collect finished loads (engine thread, non-blocking); returns the entries that failed just now."""
@@ -217,12 +274,13 @@ class AdapterManager:
                 continue
             future, entry.future = entry.future, None
             try:
-                entry.layout, entry.host = future.result()
+                packed = future.result()
             except Exception as exc:  # the worker's error belongs to this adapter's requests only
                 entry.state, entry.error = AdapterState.FAILED, exc
                 logger.warning("adapter %s failed to load: %s", entry.ref, exc)
                 failed.append(entry)
                 continue
+            entry.layout, entry.host, entry.others = packed.layout, packed.ranks[0], packed.ranks[1:]
             entry.state = AdapterState.LOADED
             entry.max_rank = max((g.rank for layer in entry.layout.layers for g in layer.groups.values()), default=0)
             self._remember_host(entry)
@@ -261,10 +319,11 @@ class AdapterManager:
             pages = self.pool.allocate(need, PageKind.ADAPTER)
         entry.pages = pages
         entry.placement += 1
-        contiguous = all(b == a + 1 for a, b in itertools.pairwise(pages))
-        entry.base = pages[0] * self.pool.page_elems if contiguous else None
+        entry.base = run_base(pages, self.pool.page_elems)
         for layer, packed in enumerate(entry.host):
-            self._write(layer, pages, packed)
+            write_pages(self.pool, layer, pages, packed)
+        if self.mirror is not None:
+            self.mirror.placed(slot, pages, entry.layout, entry.others or [])
         entry.slot = slot
         self.slots[slot] = entry
         entry.state = AdapterState.RESIDENT
@@ -280,14 +339,6 @@ class AdapterManager:
             f"but the pool has {self.pool.num_pages}: raise the engine's KV budget"
         )
         self._failed.append(entry)
-
-    def _write(self, layer: int, pages: list[PageId], packed: torch.Tensor) -> None:
-        flat = self.pool.storage[layer].view(-1)
-        page_elems = self.pool.page_elems
-        for i, start in enumerate(range(0, packed.numel(), page_elems)):
-            chunk = packed[start : start + page_elems]
-            base = pages[i] * page_elems
-            flat[base : base + chunk.numel()].copy_(chunk)
 
     def _free_a_slot(self) -> int | None:
         """All slots taken: evict the least recently used idle adapter to free one."""
@@ -306,6 +357,8 @@ class AdapterManager:
         entry.pages, entry.base = [], None
         if entry.slot is not None:
             self.slots[entry.slot] = None
+            if self.mirror is not None:
+                self.mirror.evicted(entry.slot)
             entry.slot = None
         entry.state = AdapterState.LOADED if entry.host is not None else AdapterState.ABSENT
         self.version += 1
@@ -402,7 +455,7 @@ class AdapterManager:
         if entry.ref.digest in self._host_lru:
             del self._host_lru[entry.ref.digest]
             self._host_bytes -= entry.host_bytes
-        entry.host = None
+        entry.host = entry.others = None
         if entry.state is AdapterState.LOADED:
             entry.state = AdapterState.ABSENT
             self._drop_if_absent(entry)
@@ -433,12 +486,7 @@ class AdapterManager:
 
     def group_columns(self, group: str) -> list[tuple[int, int]]:
         """Each module's column range in the base model's fused output of `group`, in the group's order."""
-        _, outs = group_shapes(self.model_config)[group]
-        columns, start = [], 0
-        for _, width in outs:
-            columns.append((start, start + width))
-            start += width
-        return columns
+        return group_columns(self.model_config, group)
 
     def resident(self) -> list[AdapterEntry]:
         return [e for e in self.slots if e is not None]

@@ -8,6 +8,9 @@ With quantization the four projections of each layer are int8 or int4 weight obj
 everything else stays in the model's dtype.
 Every forward takes a ForwardBatch of flat tokens from many sequences at once; attention reads each sequence's
 keys through its block table.
+Under tensor parallelism (a `ShardPlan` and a `Communicator`) the model keeps one rank's share of every weight, as
+engine/model/tensor_parallel.py splits them, and its forward sums the row-parallel products over the ranks; `config`
+is then the rank's local config (its heads and MLP slice), `checkpoint_config` the whole model's.
 """
 
 from __future__ import annotations
@@ -23,12 +26,27 @@ from loraplex.engine.memory.page_pool import KVLayer
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.forward_batch import ForwardBatch
 from loraplex.engine.model.prequantized import LoadedInt4, PrequantizedFormat, load_int4
-from loraplex.engine.model.quant_linear import Weight, addmm, linear, matmul_layout, nbytes, quantize
+from loraplex.engine.model.quant_linear import (
+    Weight,
+    addmm,
+    int4_group_size,
+    linear,
+    matmul_layout,
+    nbytes,
+    quantize,
+)
 from loraplex.engine.model.quantization import QuantizationName
 from loraplex.engine.model.rope import RotaryEmbedding, interleave_rotary_rows
+from loraplex.engine.model.tensor_parallel import (
+    Communicator,
+    ShardPlan,
+    take_int4_columns,
+    take_int8_columns,
+    take_rows,
+)
 from loraplex.engine.model.weights import CheckpointTensors
 from loraplex.kernels.paged_attention import paged_attention
-from loraplex.kernels.quant import Int4Weight, quantize_int8
+from loraplex.kernels.quant import Int4Weight, quantize_int4, quantize_int8
 
 # A row-major lm_head (half types, tied embeddings) in vocabulary slices this tall: the slice of weights stays in
 # cache while every row uses it (decision 0019 has the figures). A float32 one is stored input-major
@@ -110,8 +128,16 @@ class LlamaModel:
         device: torch.device,
         max_positions: int,
         quantization: QuantizationName | None = None,
+        shard: ShardPlan | None = None,
+        comm: Communicator | None = None,
     ) -> None:
-        self.config = config
+        if (shard is None) != (comm is None) or (shard is not None and comm is not None and shard.size != comm.size):
+            raise ValueError("a sharded model needs its plan and a communicator of the same size")
+        parallel = shard is not None and shard.size > 1
+        self.shard = shard if parallel else None
+        self.comm = comm if parallel else None
+        self.checkpoint_config = config
+        self.config = shard.local if shard is not None and parallel else config
         self.dtype = dtype
         self.quantization = quantization
         self.device = device
@@ -139,7 +165,7 @@ class LlamaModel:
         return self.quantization
 
     def load(self, tensors: CheckpointTensors) -> None:
-        c = self.config
+        c = self.checkpoint_config
         if c.prequantized is not None and self.quantization is not None:
             raise CheckpointError(
                 f"the checkpoint is already quantized ({c.prequantized.method.upper()}, 4-bit); leave quantization "
@@ -157,7 +183,7 @@ class LlamaModel:
                 "'quantization_config' saying how: give a GPTQ/AWQ checkpoint with its config, or a 16/32-bit "
                 "checkpoint and quantization='int8' or 'int4' to quantize it at load"
             )
-        self.embed = self._take(tensors, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.embed = self._vocab_rows(self._take(tensors, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
         self.norm = self._take(tensors, "model.norm.weight", (c.hidden_size,))
         if c.tie_word_embeddings or "lm_head.weight" not in tensors.names:
             if not c.tie_word_embeddings:
@@ -169,7 +195,7 @@ class LlamaModel:
         self.layers = [self._load_layer(tensors, i) for i in range(c.num_layers)]
 
     def _load_layer(self, tensors: CheckpointTensors, i: int) -> LayerWeights:
-        c = self.config
+        c = self.checkpoint_config
         p = f"model.layers.{i}."
         if c.prequantized is not None:
             return self._load_prequantized_layer(tensors, i, c.prequantized)
@@ -187,20 +213,29 @@ class LlamaModel:
         bias = self._qkv_bias(tensors, p)
         gate = proj("mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
         up = proj("mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
+        shard = self.shard
         return LayerWeights(
             input_norm=self._take(tensors, p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=self._quantized(torch.cat([q, k, v])),
+            qkv=self._column(torch.cat([q, k, v]), shard.qkv_rows() if shard is not None else None),
             qkv_bias=bias,
-            o=self._quantized(proj("self_attn.o_proj.weight", (c.hidden_size, c.q_size))),
+            o=self._row(
+                proj("self_attn.o_proj.weight", (c.hidden_size, c.q_size)),
+                shard.q_columns if shard is not None else None,
+            ),
             post_norm=self._take(tensors, p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=self._quantized(torch.cat([gate, up])),
-            down=self._quantized(proj("mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
+            gate_up=self._column(torch.cat([gate, up]), shard.gate_up_rows() if shard is not None else None),
+            down=self._row(
+                proj("mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)),
+                shard.mlp_columns if shard is not None else None,
+            ),
         )
 
     def _load_prequantized_layer(self, tensors: CheckpointTensors, i: int, fmt: PrequantizedFormat) -> LayerWeights:
         """A GPTQ/AWQ layer: the projections as Int4Weight (the checkpoint's codes, scales and zeros), q and k rows
-        reordered for the rotary pairs and the fused projections stacked, as the float path does."""
-        c = self.config
+        reordered for the rotary pairs and the fused projections stacked, as the float path does; under tensor
+        parallelism, this rank's rows and columns of them (an act-order row-parallel projection cannot be split:
+        its stored columns mix every rank's inputs)."""
+        c = self.checkpoint_config
         p = f"model.layers.{i}."
 
         def proj(name: str, shape: tuple[int, int]) -> LoadedInt4:
@@ -221,14 +256,28 @@ class LlamaModel:
             proj("mlp.up_proj", (c.intermediate_size, c.hidden_size)),
         ]
         down = proj("mlp.down_proj", (c.hidden_size, c.intermediate_size))
+        shard = self.shard
+        qkv_weight = _stack_rows([part.weight for part in qkv])
+        gate_up_weight = _stack_rows([part.weight for part in gate_up])
+        o_weight, down_weight = o.weight, down.weight
+        if shard is not None:
+            if o.input_order is not None or down.input_order is not None:
+                raise CheckpointError(
+                    f"'{p}': act-order (desc_act) GPTQ checkpoints cannot be split over ranks (the o and down "
+                    "projections' stored columns mix every rank's inputs); serve it with tensor_parallel_size 1"
+                )
+            qkv_weight = _map_rows(qkv_weight, lambda rows: take_rows(rows, shard.qkv_rows()))
+            gate_up_weight = _map_rows(gate_up_weight, lambda rows: take_rows(rows, shard.gate_up_rows()))
+            o_weight = self._split_columns(o_weight, shard.q_columns, "o_proj")
+            down_weight = self._split_columns(down_weight, shard.mlp_columns, "down_proj")
         return LayerWeights(
             input_norm=self._take(tensors, p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=_stack_rows([part.weight for part in qkv]),
+            qkv=qkv_weight,
             qkv_bias=self._qkv_bias(tensors, p),
-            o=o.weight,
+            o=o_weight,
             post_norm=self._take(tensors, p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=_stack_rows([part.weight for part in gate_up]),
-            down=down.weight,
+            gate_up=gate_up_weight,
+            down=down_weight,
             qkv_input_order=_same_order(p + "self_attn", "q, k and v", qkv),
             o_input_order=o.input_order,
             gate_up_input_order=_same_order(p + "mlp", "gate and up", gate_up),
@@ -236,11 +285,11 @@ class LlamaModel:
         )
 
     def _qkv_bias(self, tensors: CheckpointTensors, p: str) -> torch.Tensor | None:
-        """Qwen2's q, k, v biases stacked (q and k rows in rotary-pair order), or None."""
-        c = self.config
+        """Qwen2's q, k, v biases stacked (q and k rows in rotary-pair order; this rank's rows), or None."""
+        c = self.checkpoint_config
         if not c.attention_bias:
             return None
-        return torch.cat(
+        bias = torch.cat(
             [
                 interleave_rotary_rows(
                     self._take(tensors, p + "self_attn.q_proj.bias", (c.q_size,)), c.num_heads, c.head_dim
@@ -251,15 +300,61 @@ class LlamaModel:
                 self._take(tensors, p + "self_attn.v_proj.bias", (c.kv_size,)),
             ]
         )
+        return take_rows(bias, self.shard.qkv_rows()) if self.shard is not None else bias
 
     def _head(self, tensors: CheckpointTensors) -> Weight:
         """An untied lm_head: int8 when quantizing (int4 too: the logits are where 4 bits would cost the most, as
         llama.cpp's 4-bit mixes keep their output layer at 6 bits; in decode it is the largest matmul of a small
         model, 16M of the benchmark model's 40M multiply-adds per token; decision 0039), else in the model's dtype."""
-        shape = (self.config.vocab_size, self.config.hidden_size)
+        shape = (self.checkpoint_config.vocab_size, self.checkpoint_config.hidden_size)
         if self.quantization is not None:
-            return quantize_int8(self._take(tensors, "lm_head.weight", shape, dtype=torch.float32))
-        return matmul_layout(self._take(tensors, "lm_head.weight", shape))
+            return quantize_int8(self._vocab_rows(self._take(tensors, "lm_head.weight", shape, dtype=torch.float32)))
+        return matmul_layout(self._vocab_rows(self._take(tensors, "lm_head.weight", shape)))
+
+    def _vocab_rows(self, table: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a [vocab, hidden] table (all of them without tensor parallelism)."""
+        if self.shard is None:
+            return table
+        vocab = self.shard.vocab
+        return table[vocab.start : vocab.stop].contiguous()
+
+    def _column(self, weight: torch.Tensor, rows: torch.Tensor | None) -> Weight:
+        """A column-parallel projection: this rank's output rows (quantization is per row, so splitting first
+        gives TP=1's codes for them)."""
+        return self._quantized(weight if rows is None else take_rows(weight, rows))
+
+    def _row(self, weight: torch.Tensor, columns: range | None) -> Weight:
+        """A row-parallel projection: this rank's input columns, quantized as TP=1 quantizes the whole (int8 scales
+        over whole rows, int4 groups of the whole width's size)."""
+        if columns is None:
+            return self._quantized(weight)
+        if self.quantization == "int8":
+            return take_int8_columns(quantize_int8(weight), columns)
+        part = weight[:, columns.start : columns.stop].contiguous()
+        if self.quantization == "int4":
+            group_size = int4_group_size(weight.shape[1])
+            if columns.start % group_size or columns.stop % group_size:
+                raise CheckpointError(
+                    f"int4 groups of {group_size} input features do not split evenly over {self.num_ranks} "
+                    f"ranks ({weight.shape[1]} features): use fewer ranks, or int8"
+                )
+            return quantize_int4(part, group_size=group_size)
+        return matmul_layout(part)
+
+    def _split_columns(self, weight: Int4Weight, columns: range, name: str) -> Int4Weight:
+        """A pre-quantized row-parallel projection's input columns for this rank."""
+        try:
+            return take_int4_columns(weight, columns)
+        except ValueError:
+            raise CheckpointError(
+                f"{name}: the checkpoint's groups of {weight.group_size} input features do not split evenly over "
+                f"{self.num_ranks} ranks: use fewer ranks"
+            ) from None
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks the model is split over (1: not split)."""
+        return self.shard.size if self.shard is not None else 1
 
     def _quantized(self, weight: torch.Tensor) -> Weight:
         if self.quantization is None:
@@ -303,7 +398,7 @@ class LlamaModel:
         """Run the decoder over the batch's tokens, writing their K/V into the cache; returns the final-normed
         hidden states [num_tokens, hidden]."""
         c = self.config
-        hidden = F.embedding(batch.input_ids, self.embed)
+        hidden = self._embed(batch.input_ids)
         cis = self.rope.table(batch.positions)
         adapters = batch.lora
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -329,9 +424,11 @@ class LlamaModel:
                 max_seq_len=batch.max_seq_len,
             )
             attn = attn.view(-1, c.q_size)
-            hidden = addmm(hidden, _ordered(attn, layer.o_input_order), layer.o)
+            hidden = self._row_parallel(hidden, _ordered(attn, layer.o_input_order), layer.o)
             if adapters is not None:
                 adapters.add(index, "o", attn, hidden)
+            if self.comm is not None:
+                self.comm.all_reduce(hidden)
 
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate_up = linear(_ordered(x, layer.gate_up_input_order), layer.gate_up)
@@ -339,14 +436,48 @@ class LlamaModel:
                 adapters.add(index, "gate_up", x, gate_up)
             act = F.silu(gate_up[:, : c.intermediate_size])
             act.mul_(gate_up[:, c.intermediate_size :])  # in place: a fresh large tensor costs page faults
-            hidden = addmm(hidden, _ordered(act, layer.down_input_order), layer.down)
+            hidden = self._row_parallel(hidden, _ordered(act, layer.down_input_order), layer.down)
             if adapters is not None:
                 adapters.add(index, "down", act, hidden)
+            if self.comm is not None:
+                self.comm.all_reduce(hidden)
         return rms_norm(hidden, self.norm, c.rms_norm_eps)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard is None or self.comm is None:
+            return F.embedding(input_ids, self.embed)
+        # Vocabulary-parallel: this rank's rows, zeros for the tokens other ranks hold, summed over the ranks.
+        vocab = self.shard.vocab
+        local = input_ids - vocab.start
+        outside = (local < 0) | (local >= len(vocab))
+        hidden = F.embedding(local.clamp(0, max(len(vocab) - 1, 0)), self.embed)
+        hidden.masked_fill_(outside.unsqueeze(1), 0.0)
+        self.comm.all_reduce(hidden)
+        return hidden
+
+    def _row_parallel(self, residual: torch.Tensor, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        """residual + x @ weight.T; split over ranks, rank 0's part carries the residual and the others' only their
+        product, so the all-reduce that follows (after LoRA adds its partial deltas) sums to the whole."""
+        if self.comm is None or self.comm.rank == 0:
+            return addmm(residual, x, weight)
+        return linear(x, weight)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
+        """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]. Split over ranks, every rank computes its
+        slice of the vocabulary and rank 0 gets them all; the other ranks get their own slice back (unused)."""
+        logits = self._local_logits(hidden)
+        if self.shard is None or self.comm is None:
+            return logits
+        width = self.shard.vocab_per_rank
+        if logits.shape[1] < width:  # the last rank's slice is shorter when the ranks do not divide the vocabulary
+            logits = F.pad(logits, (0, width - logits.shape[1]))
+        parts = self.comm.gather(logits.contiguous())
+        if parts is None:
+            return logits
+        return torch.cat(parts, dim=1)[:, : self.checkpoint_config.vocab_size]
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not isinstance(self.lm_head, torch.Tensor):  # int8
             return linear(hidden, self.lm_head).float()
         input_major = self.lm_head.stride(0) == 1  # matmul_layout's float32 copy: fastest whole

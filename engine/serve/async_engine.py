@@ -206,6 +206,8 @@ class AsyncEngine:
         self._token_rate = 0.0  # tokens computed per second, a moving average over recent steps
         self._last_work = (time.monotonic(), 0)
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        # A tensor-parallel rank that dies while nothing runs wakes the thread, which then fails (see _run).
+        core.on_worker_failure(self._wakeup.set)
         self._thread.start()
 
     @classmethod
@@ -356,12 +358,14 @@ class AsyncEngine:
         self._commands.put(None)
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join, 30)
+        await asyncio.to_thread(self.core.close)
 
     # --- the engine thread ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             while True:
+                self.core.check_workers()
                 if not self._drain_commands():
                     return
                 if self._unload_later:
@@ -383,6 +387,7 @@ class AsyncEngine:
                 sink.put(dead)
             self._sinks.clear()
             self._fail_queued_unloads(dead)
+            self.core.close()  # no tensor-parallel rank is left waiting for a step that will not come
 
     def _snapshot(self) -> None:
         state = self.core.state()

@@ -75,6 +75,15 @@ def engine() -> None:
     default=None,
     help="vLLM's name for --kv-budget as a fraction.",
 )
+@click.option(
+    "--tensor-parallel-size",
+    "-tp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Split the model over this many ranks, one process each (one CUDA device each, or CPU processes), as "
+    "Megatron does, with LoRA split as S-LoRA does; --kv-budget is then per rank.",
+)
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block (8 to 128).")
 @click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Requests running at once.")
 @click.option("--max-num-batched-tokens", type=int, default=4096, show_default=True, help="Token budget of one step.")
@@ -232,6 +241,7 @@ def engine_serve(
     max_model_len: int | None,
     kv_budget: str | None,
     gpu_memory_utilization: float | None,
+    tensor_parallel_size: int,
     block_size: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
@@ -270,7 +280,7 @@ def engine_serve(
     import torch
 
     from loraplex.engine.core.config import EngineConfig
-    from loraplex.engine.errors import CheckpointError
+    from loraplex.engine.errors import CheckpointError, WorkerFailed
     from loraplex.engine.lora.ref import S3_SCHEME, LoRARequest
     from loraplex.engine.serve.lora_registry import AdapterRoots
     from loraplex.engine.serve.registration import RegistrationConfig, default_engine_id, default_public_url
@@ -339,6 +349,7 @@ def engine_serve(
             device=device,
             max_model_len=max_model_len,
             kv_budget=budget,
+            tensor_parallel_size=tensor_parallel_size,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -378,9 +389,9 @@ def engine_serve(
                 tool_call_parser=tool_call_parser,
             )
         )
-    except (CheckpointError, ValueError) as exc:
-        # A bad model folder, a context or budget the model and memory cannot honour, or an adapter that cannot be
-        # served (LoraModuleError names it): the message says which.
+    except (CheckpointError, ValueError, WorkerFailed) as exc:
+        # A bad model folder, a context or budget the model and memory cannot honour, an adapter that cannot be
+        # served (LoraModuleError names it), or a model the ranks cannot split: the message says which.
         raise click.ClickException(str(exc)) from None
 
 

@@ -49,7 +49,10 @@ class LLM:
     token (kernels/quant.py's int8_activations; decision 0039).
     A GPTQ or AWQ 4-bit checkpoint is recognized from its config and served as it is (leave `quantization` unset).
     `options` are EngineConfig fields: max_model_len, kv_budget, block_size, max_num_seqs,
-    max_num_batched_tokens, seed, device, num_threads, served_model_name.
+    max_num_batched_tokens, seed, device, num_threads, served_model_name, tensor_parallel_size.
+
+    With `tensor_parallel_size` N > 1 the model is split over N ranks, each its own process (engine/parallel);
+    `close()` (or leaving a `with LLM(...)` block) stops them, as does the end of the program.
     """
 
     def __init__(
@@ -67,6 +70,16 @@ class LLM:
             options["speculative_config"] = SpeculativeConfig.parse(speculative)
         self.engine = EngineCore(EngineConfig(model=Path(model), dtype=dtype, quantization=quantization, **options))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks) and adapter loaders; nothing runs after."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

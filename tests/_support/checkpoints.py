@@ -39,8 +39,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_checkpoint(path: Path, variant: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
-    """Write a random checkpoint of `variant` (and a tokenizer) into `path` with transformers."""
+def make_checkpoint(
+    path: Path, variant: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any
+) -> Path:
+    """Write a random checkpoint of `variant` (and a tokenizer) into `path` with transformers; `overrides` are
+    config fields that replace the variant's (hidden_size=256, say)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -59,18 +62,18 @@ def make_checkpoint(path: Path, variant: str, *, dtype: torch.dtype = torch.floa
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
     }[arch]
-    config = config_cls(
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=1024,
-        initializer_range=INIT_STD,
-        rms_norm_eps=1e-5,
-        bos_token_id=0,
-        eos_token_id=1,
-        **spec,
-    )
+    fields: dict[str, Any] = {
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 1024,
+        "initializer_range": INIT_STD,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
+    config = config_cls(**{**fields, **spec, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
     with torch.no_grad():

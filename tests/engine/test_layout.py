@@ -1,7 +1,8 @@
 """The engine's packages import only along the arrows of docs/architecture.md:
 
-    platform -> engine (its public face) -> engine.serve -> engine.core -> engine.lora -> engine.model
-        -> engine.memory -> engine.errors; kernels below them all; engine.tools on top, imported by nothing at run time.
+    platform -> engine (its public face) -> engine.serve -> engine.core -> engine.parallel -> engine.lora
+        -> engine.model -> engine.memory -> engine.errors; kernels below them all; engine.tools on top, imported by
+        nothing at run time.
 
 Read from the source (every `import` and `from ... import`, TYPE_CHECKING blocks included: a type is a dependency
 too), so a new module that imports against the arrows fails here, naming the module and the import.
@@ -27,9 +28,10 @@ LEVELS = {
     "loraplex.engine.memory": 2,
     "loraplex.engine.model": 3,
     "loraplex.engine.lora": 4,
-    "loraplex.engine.core": 5,
-    "loraplex.engine.serve": 6,
-    "loraplex.engine.tools": 7,
+    "loraplex.engine.parallel": 5,
+    "loraplex.engine.core": 6,
+    "loraplex.engine.serve": 7,
+    "loraplex.engine.tools": 8,
 }
 # What the platform may name: the engine's public faces, never the modules inside its packages.
 PUBLIC = ("loraplex.engine", "loraplex.engine.lora", "loraplex.engine.serve")

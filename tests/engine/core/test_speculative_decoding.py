@@ -200,7 +200,7 @@ def test_stop_strings_and_max_tokens_hold_inside_speculated_tokens() -> None:
     assert all(len(o.outputs[0].token_ids) <= 37 for o in got)
 
 
-# How a verifying row's positions are sampled (EngineCore._sample), on crafted logits: position j sees the first j
+# How a verifying row's positions are sampled (EngineCore.row_sampler), on crafted logits: position j sees the first j
 # proposals as its own output.
 
 
@@ -213,7 +213,7 @@ def sample_positions(params: SamplingParams, proposal: list[int], favoured: list
     logits = torch.zeros(len(proposal) + 1, vocab)
     for token, value in favoured:
         logits[:, token] = value
-    (drawn,) = engine._sample([request], [proposal], logits)
+    (drawn,) = engine.row_sampler.sample([request], [proposal], logits)
     return [token for token, _ in drawn]
 
 
@@ -241,5 +241,5 @@ def test_a_seeded_position_draws_what_it_would_draw_alone() -> None:
         logits[:, token] = value
     for j, token in enumerate(together):
         request = Request("r", [5, 6, 7], params, max_tokens=16, output_token_ids=[9, 40, 41, 42][: j + 1])
-        ((alone, _),) = engine._sample([request], [[]], logits)[0]
+        ((alone, _),) = engine.row_sampler.sample([request], [[]], logits)[0]
         assert alone == token
