@@ -243,6 +243,22 @@ def _platform_rows(doc: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _tensor_parallel_rows(doc: dict[str, Any]) -> list[Row]:
+    by_size = report_sections.tensor_parallel_runs(doc)
+    whole, split = by_size[(1, doc["machine"]["threads"])], next(r for (s, _), r in by_size.items() if s > 1)
+    rows = []
+    for whole_step, split_step in zip(whole["decode"], split["decode"], strict=True):
+        if whole_step["batch"] in (1, 32):
+            rows.append(
+                Row(
+                    f"decode step, TP={split['tensor_parallel_size']} / TP=1 on all cores, batch {whole_step['batch']}",
+                    f"**{x(split_step['step_ms'] / whole_step['step_ms'])}**",
+                    f"{ms(split_step['step_ms'])} against {ms(whole_step['step_ms'])}",
+                )
+            )
+    return rows
+
+
 HEADLINE: tuple[tuple[str, Callable[[dict[str, Any]], list[Row]]], ...] = (
     ("suite", _suite_rows),
     ("engine_throughput", _engine_rows),
@@ -256,6 +272,7 @@ HEADLINE: tuple[tuple[str, Callable[[dict[str, Any]], list[Row]]], ...] = (
     ("fairness", _fairness_rows),
     ("reasoning", _reasoning_rows),
     ("platform_overhead", _platform_rows),
+    ("tensor_parallel", _tensor_parallel_rows),
 )
 
 
@@ -348,9 +365,11 @@ class Page:
             "## Reproduce",
             "",
             "`make bench` runs the CPU suite (offline throughput, multi-LoRA, quantized weights, platform overhead,"
-            " then the serving suite, with fewer repeats than some commands above; about 22 minutes on 2 cores in its"
-            " last sitting) and regenerates this page. `make bench-gpu` runs scripts/bench_gpu.sh on a machine with a"
-            " CUDA GPU. One benchmark alone: the command beside its figures, then `.venv/bin/python"
+            " tensor parallelism, then the serving suite, with fewer repeats than some commands above; about 11"
+            " minutes on 2 cores in its last sitting) and regenerates this page. `make bench-gpu` runs"
+            " scripts/bench_gpu.sh on a machine with a"
+            " CUDA GPU, and scripts/bench_tp_gpu.sh times tensor parallelism there. One benchmark alone: the command"
+            " beside its figures, then `.venv/bin/python"
             " benchmarks/report.py`. The per-call kernel microbenchmarks (`benchmarks/attention_cpu.py`, `sgmv_cpu.py`,"
             " `quant_cpu.py`) are investigation tools: their findings are in docs/decisions/0025, 0028 and 0036.",
             "",

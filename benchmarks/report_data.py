@@ -59,6 +59,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "platform_overhead": Benchmark(
         f"{PYTHON} benchmarks/platform_overhead.py --setup both --requests 100", "what the platform adds per request"
     ),
+    "tensor_parallel": Benchmark(
+        f"{PYTHON} benchmarks/tensor_parallel.py", "tensor parallelism: bytes moved, step time TP=1 against TP=2"
+    ),
     "decode_profile": Benchmark(
         f"{PYTHON} benchmarks/decode_profile.py --skip-profile", "the matmul floor of the offline trace"
     ),

@@ -482,6 +482,52 @@ def platform_overhead(doc: dict[str, Any], results: Results, plots: Plots) -> li
     return [*lines, "", writes("platform_overhead") + "."]
 
 
+def tensor_parallel_runs(doc: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
+    """The runs by (tensor_parallel_size, threads per rank)."""
+    return {(run["tensor_parallel_size"], run["threads_per_rank"]): run for run in doc["runs"]}
+
+
+def tensor_parallel(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
+    model = doc["model"]
+    runs = sorted(tensor_parallel_runs(doc).values(), key=lambda r: (r["tensor_parallel_size"], -r["threads_per_rank"]))
+    batches = [step["batch"] for step in runs[0]["decode"]]
+    rows = [
+        [
+            f"TP={run['tensor_parallel_size']}, {run['threads_per_rank']} "
+            + ("threads" if run["threads_per_rank"] > 1 else "thread")
+            + " per rank",
+            *[ms(step["step_ms"]) for step in run["decode"]],
+            ms(run["prefill"]["step_ms"]),
+        ]
+        for run in runs
+    ]
+    split = next(run for run in runs if run["tensor_parallel_size"] > 1)
+    step = split["decode"][0]
+    per_token = split["prefill"]["all_reduce_bytes_per_token"]
+    hidden_bytes = doc["expected_all_reduce_bytes_per_token"] / (2 * model["num_layers"] + 1)
+    lines = [
+        f"The benchmark model ({model['num_layers']} layers, hidden {model['hidden_size']}, {model['dtype']}) split"
+        " over ranks that are processes of this machine, "
+        + ("joined by gloo" if doc["device"] == "cpu" else f"one GPU each ({doc['device']}), joined by NCCL")
+        + ". Decode step time by batch,"
+        f" and one prefill of {split['prefill']['tokens']} tokens:",
+        "",
+    ]
+    lines += table(["engine", *[f"decode, batch {b}" for b in batches], "prefill"], rows)
+    lines += [
+        "",
+        f"What the collectives move, per rank: **{num(per_token)} bytes all-reduced per token**, in prefill and decode"
+        f" alike, which is {per_token / hidden_bytes:.0f} hidden vectors ({model['hidden_size']} values each): one"
+        f" after each layer's o and down projections and one after the embedding ({num(step['all_reduces_per_step'])}"
+        f" all-reduces per step); and {num(step['gather_bytes_per_step'])} bytes of logits per sampling row gathered"
+        f" on rank 0 (the rank's {num(model['vocab_size'] / split['tensor_parallel_size'])} vocabulary entries)."
+        " On a CPU each collective costs a fixed latency (gloo over loopback, between processes that share two"
+        " cores), which is why a small batch's step is slower split than whole; decision 0040 says more."
+        f" {writes('tensor_parallel')}.",
+    ]
+    return lines
+
+
 SECTIONS: tuple[Section, ...] = (
     Section("Serving under load", (Part("suite", report_suite.headline), Part("suite", report_suite.rate))),
     Section("Offline throughput", (Part("engine_throughput", engine),)),
@@ -494,4 +540,5 @@ SECTIONS: tuple[Section, ...] = (
     Section("Fair share under a flood", (Part("fairness", fairness),)),
     Section("Reasoning effort tiers", (Part("reasoning", reasoning),)),
     Section("What the platform adds per request", (Part("platform_overhead", platform_overhead),)),
+    Section("Tensor parallelism", (Part("tensor_parallel", tensor_parallel),)),
 )

@@ -59,7 +59,7 @@ def rank_devices(device: torch.device, size: int) -> list[str]:
 class TensorParallelGroup:
     def __init__(self, inits: list[WorkerInit], store: TCPStore, backend: str) -> None:
         self.size = len(inits) + 1
-        self.comm = ProcessGroupCommunicator(0, self.size)
+        self.comm = ProcessGroupCommunicator(0, self.size, backend)
         self.worker_weight_bytes = 0
         self.failure: str | None = None
         self._store = store

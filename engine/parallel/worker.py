@@ -159,7 +159,7 @@ class _Shard:
             torch.cuda.set_device(device)
         path = Path(init.model)
         config = ModelConfig.from_dir(path)
-        comm = ProcessGroupCommunicator(init.rank, init.size)
+        comm = ProcessGroupCommunicator(init.rank, init.size, init.backend)
         model = LlamaModel(
             config,
             dtype=getattr(torch, init.dtype),
