@@ -2,9 +2,10 @@
 
 The benchmark model (~56M random Llama: hidden 512, 8 layers, 8 heads, 4 KV heads, vocabulary 32,000; float32),
 through `EngineCore` steps:
-1. Decode: `batch` requests with 16-token prompts, prefilled, then `--steps` decode steps timed (mean ms per step);
-   the collectives' counters (rank 0's: every rank moves the same) give bytes all-reduced and gathered per step.
-2. Prefill: one prompt of `--prompt-tokens` tokens in one step, timed; bytes all-reduced per prompt token.
+1. Decode: `batch` requests with 16-token prompts, prefilled, then `--steps` decode steps timed, `--rounds` times
+   (the best round's mean ms per step); the collectives' counters (rank 0's: every rank moves the same) give bytes
+   all-reduced and gathered per step.
+2. Prefill: one prompt of `--prompt-tokens` tokens in one step, best of `--rounds`; bytes all-reduced per token.
 Each size runs with the threads it would have on this machine: TP=1 with all of them (`--threads`) and with one
 (each rank's share), TP=N with `--threads` / N per rank. Bytes are set beside the model's hidden size: a decode
 step all-reduces 2 * layers + 1 vectors of `hidden` floats per token (o, down, the embedding) and gathers
@@ -21,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -49,30 +49,33 @@ def _snapshot(stats: CollectiveStats) -> CollectiveStats:
     return dataclasses.replace(stats)
 
 
-def decode(core: EngineCore, batch: int, steps: int) -> dict[str, Any]:
-    """Mean decode step time and the collectives' bytes per step, `batch` rows decoding."""
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+def decode(core: EngineCore, batch: int, steps: int, blocks: int) -> dict[str, Any]:
+    """Decode step time with `batch` rows decoding (the mean of `steps` steps, best of `blocks` such runs: this
+    machine's neighbours come and go) and the collectives' bytes per step."""
+    params = SamplingParams(temperature=0, max_tokens=blocks * steps + 4, ignore_eos=True)
     for i in range(batch):
         core.add_request(f"d{batch}-{i}", [(7 * i + j) % 1000 + 2 for j in range(PROMPT_LEN)], params)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in core.requests.values()):
         core.step()
     core.step()  # one warm decode step
     before = _snapshot(_stats(core))
-    times = []
-    for _ in range(steps):
+    means = []
+    for _ in range(blocks):
         started = time.perf_counter()
-        core.step()
-        times.append(time.perf_counter() - started)
+        for _ in range(steps):
+            core.step()
+        means.append((time.perf_counter() - started) / steps)
     after = _stats(core)
     for request_id in list(core.requests):
         core.abort_request(request_id)
+    counted = blocks * steps
     return {
         "batch": batch,
-        "step_ms": 1000 * statistics.mean(times),
-        "step_ms_median": 1000 * statistics.median(times),
-        "all_reduces_per_step": (after.num_all_reduces - before.num_all_reduces) / steps,
-        "all_reduce_bytes_per_step": (after.all_reduce_bytes - before.all_reduce_bytes) / steps,
-        "gather_bytes_per_step": (after.gather_bytes - before.gather_bytes) / steps,
+        "step_ms": 1000 * min(means),
+        "step_ms_blocks": [1000 * mean for mean in means],
+        "all_reduces_per_step": (after.num_all_reduces - before.num_all_reduces) / counted,
+        "all_reduce_bytes_per_step": (after.all_reduce_bytes - before.all_reduce_bytes) / counted,
+        "gather_bytes_per_step": (after.gather_bytes - before.gather_bytes) / counted,
     }
 
 
@@ -115,7 +118,7 @@ def run(model: Path, size: int, threads: int, args: argparse.Namespace) -> dict[
     )
     load_s = time.perf_counter() - started
     try:
-        decodes = [decode(core, batch, args.steps) for batch in args.batch_sizes]
+        decodes = [decode(core, batch, args.steps, args.rounds) for batch in args.batch_sizes]
         prefills = prefill(core, args.prompt_tokens, args.rounds)
     finally:
         core.close()
@@ -132,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1,2")
     parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
