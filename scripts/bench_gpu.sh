@@ -31,13 +31,8 @@ mkdir -p "$OUT_DIR"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
-limited() {  # limited SECONDS COMMAND...: the command, stopped (and the script with it) past SECONDS
-    local seconds=$1 rc=0
-    shift
-    timeout "$seconds" "$@" || rc=$?
-    if [ "$rc" -eq 124 ]; then echo "bench_gpu.sh: stopped after ${seconds}s: $*" >&2; fi
-    if [ "$rc" -ne 0 ]; then exit "$rc"; fi
-}
+# shellcheck source=scripts/limited.sh
+source scripts/limited.sh
 
 if [ "$DEVICE" = cuda ]; then
     "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "bench_gpu.sh: torch sees no CUDA GPU (DEVICE=cpu SMALL=1 checks the script on a CPU)")'

@@ -17,13 +17,8 @@ DEVICE=${DEVICE:-cuda}
 OUT_DIR=${OUT_DIR:-benchmarks/results/gpu}
 mkdir -p "$OUT_DIR"
 
-limited() {  # limited SECONDS COMMAND...: the command, stopped (and the script with it) past SECONDS
-    local seconds=$1 rc=0
-    shift
-    timeout "$seconds" "$@" || rc=$?
-    if [ "$rc" -eq 124 ]; then echo "bench_tp_gpu.sh: stopped after ${seconds}s: $*" >&2; fi
-    if [ "$rc" -ne 0 ]; then exit "$rc"; fi
-}
+# shellcheck source=scripts/limited.sh
+source scripts/limited.sh
 
 SIZES=1
 LARGE=(--large --dtype bfloat16)

@@ -38,7 +38,7 @@ from loraplex.engine.lora.batch import LoraCompute
 from loraplex.engine.lora.manager import AdapterEntry, AdapterManager, AdapterManagerConfig
 from loraplex.engine.lora.ref import AdapterRef, LoRARequest
 from loraplex.engine.memory.kv_cache import KVCacheManager
-from loraplex.engine.memory.page_pool import PagePool, PoolUsage
+from loraplex.engine.memory.page_pool import PagePool, PoolUsage, kv_page_elems
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.llama import LlamaModel
 from loraplex.engine.model.tensor_parallel import ShardPlan
@@ -183,7 +183,7 @@ class EngineCore:
         if self.workers is not None:
             self.workers.connect(self.pool.num_pages)
         c = self.model.config  # this rank's heads under tensor parallelism
-        kv_caches = [self.pool.kv_layer(i, c.num_kv_heads, config.block_size, c.head_dim) for i in range(c.num_layers)]
+        kv_caches = self.pool.kv_layers(c.num_layers, c.num_kv_heads, config.block_size, c.head_dim)
         self.kv = KVCacheManager(self.pool, config.block_size, prefix_caching=config.enable_prefix_caching)
         self.adapters = AdapterManager(
             self.pool,
@@ -254,7 +254,7 @@ class EngineCore:
         the ranks share its memory). Every rank gets the same number of pages."""
         c = self.model.config
         block_size = self.config.block_size
-        page_elems = 2 * c.num_kv_heads * block_size * c.head_dim
+        page_elems = kv_page_elems(c.num_kv_heads, block_size, c.head_dim)
         page_bytes = c.num_layers * page_elems * torch.empty(0, dtype=self.dtype).element_size()
         budget = self.config.kv_budget
         if isinstance(budget, float):
@@ -556,6 +556,11 @@ class EngineCore:
     def worker_pids(self) -> list[int]:
         """Process ids of the other tensor-parallel ranks (none without tensor parallelism)."""
         return self.workers.pids if self.workers is not None else []
+
+    @property
+    def workers_alive(self) -> bool:
+        """False once another tensor-parallel rank has died (known at once, even while a step waits on it)."""
+        return self.workers is None or self.workers.failure is None
 
     def check_workers(self) -> None:
         """Raise WorkerFailed once another tensor-parallel rank has died (the engine cannot step without it)."""

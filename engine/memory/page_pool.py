@@ -209,12 +209,21 @@ class PagePool:
             num_evictable=self._num_evictable,
         )
 
+    def kv_layers(self, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int) -> list[KVLayer]:
+        """kv_layer of each of the first `num_layers` layers."""
+        return [self.kv_layer(i, num_kv_heads, block_size, head_dim) for i in range(num_layers)]
+
     def kv_layer(self, layer: int, num_kv_heads: int, block_size: int, head_dim: int) -> KVLayer:
         """Views of `layer`'s pages as a KV cache (a KV block fills exactly one page)."""
-        if 2 * num_kv_heads * block_size * head_dim != self.page_elems:
+        if kv_page_elems(num_kv_heads, block_size, head_dim) != self.page_elems:
             raise ValueError("a KV block must fill exactly one page")
         kv = self.storage[layer].view(self.num_pages, 2, num_kv_heads, block_size, head_dim)
         return KVLayer(k=kv[:, 0], v=kv[:, 1], rows=self.storage[layer].view(-1, head_dim))
+
+
+def kv_page_elems(num_kv_heads: int, block_size: int, head_dim: int) -> int:
+    """Elements of one page: one layer's K and V of `block_size` tokens (a KV block)."""
+    return 2 * num_kv_heads * block_size * head_dim
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ import torch
 from loraplex.engine.lora.batch import LoraCompute, PlacedAdapter
 from loraplex.engine.lora.layout import AdapterLayout, group_columns
 from loraplex.engine.lora.manager import run_base, write_pages
-from loraplex.engine.memory.page_pool import KVLayer, PageId, PagePool
+from loraplex.engine.memory.page_pool import KVLayer, PageId, PagePool, kv_page_elems
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.llama import LlamaModel
 from loraplex.engine.model.quantization import QuantizationName
@@ -188,13 +188,11 @@ class _Shard:
         pool = PagePool(
             num_pages=num_pages,
             num_layers=local.num_layers,
-            page_elems=2 * local.num_kv_heads * init.block_size * local.head_dim,
+            page_elems=kv_page_elems(local.num_kv_heads, init.block_size, local.head_dim),
             dtype=model.dtype,
             device=device,
         )
-        kv_caches = [
-            pool.kv_layer(i, local.num_kv_heads, init.block_size, local.head_dim) for i in range(local.num_layers)
-        ]
+        kv_caches = pool.kv_layers(local.num_layers, local.num_kv_heads, init.block_size, local.head_dim)
         adapters = AdapterReplica(pool, local, init.max_loras)
         conn.send(("ready", None))
         return cls(model, kv_caches, adapters, LoraCompute(adapters, device), init.block_size, device)

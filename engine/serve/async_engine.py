@@ -218,7 +218,7 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._error is None and self._thread.is_alive()
+        return self._error is None and self._thread.is_alive() and self.core.workers_alive
 
     def state(self) -> EngineState:
         """A snapshot taken by the engine thread after its latest step."""

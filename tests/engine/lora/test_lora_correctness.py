@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from _support.adapters import make_peft_adapter, peft_logits
+from _support.adapters import ADAPTER_SPECS, make_peft_adapter, peft_logits
+from _support.recording import Recorder
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.lora import batch as batch_module
@@ -21,23 +22,6 @@ pytestmark = pytest.mark.unit
 ATOL = 1e-4
 VOCAB = 512
 
-ADAPTERS: dict[str, dict[str, Any]] = {
-    "r8-attn": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-    "r16-all": {"r": 16, "lora_alpha": 8, "target_modules": "all-linear"},
-    "r64-all-rslora": {"r": 64, "lora_alpha": 32, "target_modules": "all-linear", "use_rslora": True},
-    "r8-mlp": {"r": 8, "lora_alpha": 8, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
-    "pattern": {
-        "r": 16,
-        "lora_alpha": 16,
-        "target_modules": ["q_proj", "v_proj", "down_proj"],
-        "rank_pattern": {"model.layers.1.self_attn.q_proj": 4},
-        "alpha_pattern": {"down_proj": 64},
-    },
-    "layer0-only": {"r": 16, "lora_alpha": 24, "target_modules": ["q_proj", "o_proj"], "layers_to_transform": [0]},
-    "r32-qk": {"r": 32, "lora_alpha": 7, "target_modules": ["q_proj", "k_proj"]},
-    "r4-all": {"r": 4, "lora_alpha": 4, "target_modules": "all-linear"},
-}
-
 
 @pytest.fixture(scope="module")
 def base_and_adapters(
@@ -46,18 +30,10 @@ def base_and_adapters(
     base = checkpoint("llama-gqa")
     root = tmp_path_factory.mktemp("adapters")
     adapters = {
-        name: make_peft_adapter(base, root / name, seed=i, **spec) for i, (name, spec) in enumerate(ADAPTERS.items())
+        name: make_peft_adapter(base, root / name, seed=i, **spec)
+        for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
     }
     return base, adapters
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.steps: list[torch.Tensor] = []
-
-    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        self.steps.append(logits.clone())
-        return logits
 
 
 def _check(base: Path, adapter: Path | None, prompt: list[int], output: list[int], steps: list[torch.Tensor]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from _support.checkpoints import VARIANTS, VOCAB
+from _support.recording import Recorder
 
 from loraplex.engine import LLM, SamplingParams
 from loraplex.engine.core.config import EngineConfig
@@ -28,18 +29,6 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
 def _hf_logits(model: Any, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float()
-
-
-class Recorder:
-    """A logits processor that keeps a copy of the raw logits of every decode step of one request."""
-
-    def __init__(self) -> None:
-        self.steps: list[torch.Tensor] = []
-
-    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        assert len(output_token_ids) == len(self.steps)
-        self.steps.append(logits.clone())
-        return logits
 
 
 def _check_against_transformers(hf: Any, prompt: list[int], output_ids: list[int], steps: list[torch.Tensor]) -> None:

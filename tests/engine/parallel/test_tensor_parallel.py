@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from _support.checkpoints import VOCAB
+from _support.recording import Recorder
 
 from loraplex.engine import LLM, SamplingParams
 from loraplex.engine.core.runner import PreparedStep
@@ -20,17 +21,6 @@ from loraplex.engine.core.runner import PreparedStep
 pytestmark = pytest.mark.unit
 
 ATOL = 1e-4
-
-
-class Recorder:
-    """A logits processor keeping every step's raw logits of one request."""
-
-    def __init__(self) -> None:
-        self.steps: list[torch.Tensor] = []
-
-    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        self.steps.append(logits.clone())
-        return logits
 
 
 def _llm(path: Path, size: int, **options: object) -> LLM:

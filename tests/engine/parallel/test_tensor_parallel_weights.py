@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from _support.adapters import make_peft_adapter, peft_logits
+from _support.adapters import ADAPTER_SPECS, make_peft_adapter, peft_logits
 from _support.checkpoints import VOCAB, make_checkpoint
 from _support.prequantized import write_prequantized
+from _support.recording import Recorder
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.errors import CheckpointError
@@ -23,27 +24,7 @@ pytestmark = pytest.mark.unit
 
 ATOL = 1e-4
 
-ADAPTERS: dict[str, dict[str, Any]] = {
-    "r8-attn": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-    "r16-all-rslora": {"r": 16, "lora_alpha": 8, "target_modules": "all-linear", "use_rslora": True},
-    "r8-mlp": {"r": 8, "lora_alpha": 8, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
-    "pattern": {
-        "r": 16,
-        "lora_alpha": 16,
-        "target_modules": ["q_proj", "v_proj", "down_proj"],
-        "rank_pattern": {"model.layers.1.self_attn.q_proj": 4},
-        "alpha_pattern": {"down_proj": 64},
-    },
-}
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.steps: list[torch.Tensor] = []
-
-    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        self.steps.append(logits.clone())
-        return logits
+ADAPTERS = {name: ADAPTER_SPECS[name] for name in ("r8-attn", "r64-all-rslora", "r8-mlp", "pattern")}
 
 
 @pytest.fixture
