@@ -46,7 +46,7 @@ from loraplex.engine.model.tensor_parallel import (
 )
 from loraplex.engine.model.weights import CheckpointTensors
 from loraplex.kernels.paged_attention import paged_attention
-from loraplex.kernels.quant import Int4Weight, quantize_int4, quantize_int8
+from loraplex.kernels.quant import Int4Weight, dequantize_int4, quantize_int4, quantize_int8
 
 # A row-major lm_head (half types, tied embeddings) in vocabulary slices this tall: the slice of weights stays in
 # cache while every row uses it (decision 0019 has the figures). A float32 one is stored input-major
@@ -233,8 +233,7 @@ class LlamaModel:
     def _load_prequantized_layer(self, tensors: CheckpointTensors, i: int, fmt: PrequantizedFormat) -> LayerWeights:
         """A GPTQ/AWQ layer: the projections as Int4Weight (the checkpoint's codes, scales and zeros), q and k rows
         reordered for the rotary pairs and the fused projections stacked, as the float path does; under tensor
-        parallelism, this rank's rows and columns of them (an act-order row-parallel projection cannot be split:
-        its stored columns mix every rank's inputs)."""
+        parallelism, this rank's rows and columns of them (`_split_prequantized`)."""
         c = self.checkpoint_config
         p = f"model.layers.{i}."
 
@@ -259,17 +258,14 @@ class LlamaModel:
         shard = self.shard
         qkv_weight = _stack_rows([part.weight for part in qkv])
         gate_up_weight = _stack_rows([part.weight for part in gate_up])
-        o_weight, down_weight = o.weight, down.weight
+        o_weight: Weight = o.weight
+        down_weight: Weight = down.weight
+        o_order, down_order = o.input_order, down.input_order
         if shard is not None:
-            if o.input_order is not None or down.input_order is not None:
-                raise CheckpointError(
-                    f"'{p}': act-order (desc_act) GPTQ checkpoints cannot be split over ranks (the o and down "
-                    "projections' stored columns mix every rank's inputs); serve it with tensor_parallel_size 1"
-                )
             qkv_weight = _map_rows(qkv_weight, lambda rows: take_rows(rows, shard.qkv_rows()))
             gate_up_weight = _map_rows(gate_up_weight, lambda rows: take_rows(rows, shard.gate_up_rows()))
-            o_weight = self._split_columns(o_weight, shard.q_columns, "o_proj")
-            down_weight = self._split_columns(down_weight, shard.mlp_columns, "down_proj")
+            o_weight, o_order = self._split_prequantized(o, shard.q_columns, p + "self_attn.o_proj")
+            down_weight, down_order = self._split_prequantized(down, shard.mlp_columns, p + "mlp.down_proj")
         return LayerWeights(
             input_norm=self._take(tensors, p + "input_layernorm.weight", (c.hidden_size,)),
             qkv=qkv_weight,
@@ -279,9 +275,9 @@ class LlamaModel:
             gate_up=gate_up_weight,
             down=down_weight,
             qkv_input_order=_same_order(p + "self_attn", "q, k and v", qkv),
-            o_input_order=o.input_order,
+            o_input_order=o_order,
             gate_up_input_order=_same_order(p + "mlp", "gate and up", gate_up),
-            down_input_order=down.input_order,
+            down_input_order=down_order,
         )
 
     def _qkv_bias(self, tensors: CheckpointTensors, p: str) -> torch.Tensor | None:
@@ -341,15 +337,25 @@ class LlamaModel:
             return quantize_int4(part, group_size=group_size)
         return matmul_layout(part)
 
-    def _split_columns(self, weight: Int4Weight, columns: range, name: str) -> Int4Weight:
-        """A pre-quantized row-parallel projection's input columns for this rank."""
-        try:
-            return take_int4_columns(weight, columns)
-        except ValueError:
-            raise CheckpointError(
-                f"{name}: the checkpoint's groups of {weight.group_size} input features do not split evenly over "
-                f"{self.num_ranks} ranks: use fewer ranks"
-            ) from None
+    def _split_prequantized(self, loaded: LoadedInt4, columns: range, name: str) -> tuple[Weight, torch.Tensor | None]:
+        """A pre-quantized row-parallel projection's input columns for this rank, and the order its input is read in.
+
+        Without act-order the rank keeps whole groups of the checkpoint's codes. With act-order the columns of the
+        rank's inputs are scattered over every group, so no grouping of the codes fits them: the rank keeps those
+        columns dequantized to the model's dtype (four times their 4-bit size in bf16) and reads its inputs in their
+        stored order (decision 0040)."""
+        weight, order = loaded.weight, loaded.input_order
+        if order is None:
+            try:
+                return take_int4_columns(weight, columns), None
+            except ValueError:
+                raise CheckpointError(
+                    f"'{name}': the checkpoint's groups of {weight.group_size} input features do not split evenly over "
+                    f"{self.num_ranks} ranks: use fewer ranks"
+                ) from None
+        kept = torch.nonzero((order >= columns.start) & (order < columns.stop)).flatten()
+        values = dequantize_int4(weight, torch.float32).index_select(1, kept.to(weight.packed.device))
+        return matmul_layout(values.to(self.dtype).contiguous()), (order[kept] - columns.start).contiguous()
 
     @property
     def num_ranks(self) -> int:

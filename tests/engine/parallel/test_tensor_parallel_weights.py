@@ -1,6 +1,6 @@
 """What a split model serves on top of its base: mixed LoRA batches equal peft row by row (adapters split as S-LoRA
 splits them, loaded, evicted and reloaded in step on every rank), and quantized weights (int8, int4, GPTQ) equal
-their unsplit result; splits that would cut int4 groups or act-order columns are refused with a clear error."""
+their unsplit result (act-order GPTQ too); a split that would cut int4 groups is refused with a clear error."""
 
 from __future__ import annotations
 
@@ -153,18 +153,14 @@ def test_int4_groups_that_ranks_would_cut_are_refused(checkpoint: Callable[..., 
 
 
 @pytest.mark.usefixtures("weight_only")
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize(("method", "act_order"), [("gptq", False), ("gptq", True), ("awq", False)])
 def test_prequantized_checkpoints_load_split(
-    method: str, checkpoint: Callable[..., Path], tmp_path: Path, engines: Callable[..., LLM]
+    method: str, act_order: bool, checkpoint: Callable[..., Path], tmp_path: Path, engines: Callable[..., LLM]
 ) -> None:
-    path = write_prequantized(checkpoint("llama-gqa"), tmp_path / method, method, 16)
+    """Split on their group boundaries; an act-order checkpoint's o and down columns, scattered over every group,
+    are kept dequantized by each rank, which serves the same values."""
+    path = write_prequantized(checkpoint("llama-gqa"), tmp_path / method, method, 16, act_order=act_order)
     prompts = _prompts(6, 3)
     split = engines(path, 2, kv_budget=8 * 2**20)
     assert split.engine.state().quantization == method
     _assert_same(_greedy(split, prompts, 6), _greedy(engines(path, 1, kv_budget=8 * 2**20), prompts, 6))
-
-
-def test_act_order_checkpoints_are_refused_split(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
-    path = write_prequantized(checkpoint("llama-gqa"), tmp_path / "act", "gptq", 16, act_order=True)
-    with pytest.raises(CheckpointError, match=r"act-order .* cannot be split over ranks"):
-        LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2)
