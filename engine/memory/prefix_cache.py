@@ -42,6 +42,19 @@ def block_hash(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
 
 
+def chain_hashes(
+    token_ids: list[int], cache_salt: str | None, adapter_digest: str | None, block_size: int, num_blocks: int
+) -> list[bytes]:
+    """The hashes of the first `num_blocks` full blocks of `token_ids` (what `PrefixCache.hashes` keeps for a
+    sequence of these tokens, salt and adapter)."""
+    hashes: list[bytes] = []
+    parent = first_block_seed(cache_salt, adapter_digest)
+    for index in range(num_blocks):
+        parent = block_hash(parent, token_ids[index * block_size : (index + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
 @dataclass(slots=True)
 class _Entry:
     page: PageId
@@ -96,6 +109,27 @@ class PrefixCache:
                 break
             pages.append(entry.page)
         return pages
+
+    def lookup(self, hashes: list[bytes]) -> list[tuple[PageId, tuple[int, ...]]]:
+        """The cached blocks of the longest leading run of `hashes`, with their tokens (nothing taken)."""
+        found: list[tuple[PageId, tuple[int, ...]]] = []
+        for digest in hashes:
+            entry = self._entries.get(digest)
+            if entry is None:
+                break
+            found.append((entry.page, entry.tokens))
+        return found
+
+    def adopt(self, digest: bytes, tokens: tuple[int, ...], page: PageId) -> bool:
+        """Cache a block whose K/V were written into `page` from elsewhere (another engine computed them): the page's
+        one reference becomes the cache's, and it is evictable at once. False (nothing kept: the caller frees the
+        page) when a block of that hash is cached already."""
+        if digest in self._entries or page in self._hash_of_page:
+            return False
+        self._entries[digest] = _Entry(page, tokens)
+        self._hash_of_page[page] = digest
+        self.released([page])
+        return True
 
     def take(self, pages: list[PageId]) -> None:
         """A reference to each of `pages` (what `find` returned), which takes them off the eviction list."""

@@ -25,9 +25,9 @@ import math
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, TypeVar, Unpack
 
 from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.engine_core import CheckedPrompt, EngineCore, EngineState
@@ -40,6 +40,8 @@ from loraplex.engine.lora.manager import AdapterEntry, AdapterState
 from loraplex.engine.lora.ref import AdapterRef, LoRARequest
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineDeadError(EngineError):
@@ -80,12 +82,14 @@ class _Abort:
 
 
 @dataclass(slots=True)
-class _Unload:
-    digest: str
-    loop: asyncio.AbstractEventLoop
-    done: asyncio.Future[bool]  # answered on `loop`
+class _Call:
+    """A function to run on the engine thread between steps (it may read and write the engine's state)."""
 
-    def answer(self, result: bool | BaseException) -> None:
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future[Any]  # answered on `loop`
+
+    def answer(self, result: Any) -> None:
         def set_result() -> None:
             if self.done.done():  # the caller was cancelled
                 return
@@ -186,7 +190,7 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Unload | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._sinks: dict[str, _Sink] = {}
         self._ids = itertools.count()
@@ -333,14 +337,27 @@ class AsyncEngine:
     async def unload_adapter(self, digest: str) -> bool:
         """Drop an adapter's weights from the pool and host memory. True if they left now; False if requests still
         use it (they leave as soon as the last one finishes) or the engine never loaded it."""
+
+        def unload() -> bool:
+            dropped = self._unload(digest)
+            if dropped:
+                self._snapshot()  # so that the caller, once answered, no longer sees it
+            return dropped
+
+        return bool(await self.call(unload))
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """`fn()` run on the engine thread between steps, where it may read and write the engine's state (the pool,
+        the prefix cache); what it returns or raises. Keep it short: no step runs meanwhile."""
         loop = asyncio.get_running_loop()
-        command = _Unload(digest, loop, loop.create_future())
+        command = _Call(fn, loop, loop.create_future())
         self._commands.put(command)
         self._wakeup.set()
         # Checked after the put: a thread that fails from here on fails the queued command too.
         if self._error is not None:
             raise EngineDeadError("the engine has failed; restart it") from self._error
-        return await command.done
+        result: T = await command.done
+        return result
 
     @property
     def model_name(self) -> str:
@@ -386,7 +403,7 @@ class AsyncEngine:
             for sink in self._sinks.values():
                 sink.put(dead)
             self._sinks.clear()
-            self._fail_queued_unloads(dead)
+            self._fail_queued_calls(dead)
             self.core.close()  # no tensor-parallel rank is left waiting for a step that will not come
 
     def _snapshot(self) -> None:
@@ -421,13 +438,13 @@ class AsyncEngine:
             if not self._adapter_in_use(digest):
                 self._unload(digest)
 
-    def _fail_queued_unloads(self, error: BaseException) -> None:
+    def _fail_queued_calls(self, error: BaseException) -> None:
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Unload):
+            if isinstance(command, _Call):
                 command.answer(error)
 
     def _drain_commands(self) -> bool:
@@ -438,13 +455,15 @@ class AsyncEngine:
             except queue.Empty:
                 return True
             if command is None:
-                self._fail_queued_unloads(EngineDeadError("the engine has shut down"))
+                self._fail_queued_calls(EngineDeadError("the engine has shut down"))
                 return False
-            if isinstance(command, _Unload):
-                dropped = self._unload(command.digest)
-                if dropped:
-                    self._snapshot()  # so that the caller, once answered, no longer sees it
-                command.answer(dropped)
+            if isinstance(command, _Call):
+                try:
+                    result = command.fn()
+                except Exception as exc:  # the caller's to handle; the engine goes on
+                    command.answer(exc)
+                else:
+                    command.answer(result)
                 continue
             if isinstance(command, _Abort):
                 output = self.core.abort_request(command.request_id)

@@ -84,6 +84,28 @@ def engine() -> None:
     help="Split the model over this many ranks, one process each (one CUDA device each, or CPU processes), as "
     "Megatron does, with LoRA split as S-LoRA does; --kv-budget is then per rank.",
 )
+@click.option(
+    "--role",
+    type=click.Choice(["prefill", "decode", "both"]),
+    default="both",
+    show_default=True,
+    help="What the platform sends this engine, announced in the fleet registry: prompts to prefill (their KV blocks "
+    "then pinned for a decode engine to fetch), decodes (starting from a prefill engine's blocks), or both.",
+)
+@click.option(
+    "--kv-transfer-ttl",
+    type=click.FloatRange(0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds a prefill's KV blocks stay pinned for a decode engine to fetch (KV transfer needs --api-key).",
+)
+@click.option(
+    "--kv-fetch-timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="Seconds a fetch of KV blocks from a peer may take before the request computes them itself.",
+)
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block (8 to 128).")
 @click.option("--max-num-seqs", type=int, default=256, show_default=True, help="Requests running at once.")
 @click.option("--max-num-batched-tokens", type=int, default=4096, show_default=True, help="Token budget of one step.")
@@ -242,6 +264,9 @@ def engine_serve(
     kv_budget: str | None,
     gpu_memory_utilization: float | None,
     tensor_parallel_size: int,
+    role: str,
+    kv_transfer_ttl: float,
+    kv_fetch_timeout: float,
     block_size: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
@@ -282,6 +307,7 @@ def engine_serve(
     from loraplex.engine.core.config import EngineConfig
     from loraplex.engine.errors import CheckpointError, WorkerFailed
     from loraplex.engine.lora.ref import S3_SCHEME, LoRARequest
+    from loraplex.engine.serve.kv_transfer import KVTransferConfig
     from loraplex.engine.serve.lora_registry import AdapterRoots
     from loraplex.engine.serve.registration import RegistrationConfig, default_engine_id, default_public_url
     from loraplex.engine.serve.server import serve
@@ -330,6 +356,7 @@ def engine_serve(
                 url=public_url or default_public_url(host, port),
                 base_model=base_model_name,
                 prefix=redis_prefix,
+                role=role,
             )
         except ValueError as exc:
             # RegistrationConfig's messages start with the field's name: point at the option that set it.
@@ -387,6 +414,12 @@ def engine_serve(
                 registration=registration,
                 api_key=api_key,
                 tool_call_parser=tool_call_parser,
+                kv_transfer=KVTransferConfig(
+                    public_url=public_url or default_public_url(host, port),
+                    api_key=api_key,
+                    ttl_s=kv_transfer_ttl,
+                    fetch_timeout_s=kv_fetch_timeout,
+                ),
             )
         )
     except (CheckpointError, ValueError, WorkerFailed) as exc:

@@ -32,6 +32,7 @@ from pydantic import (
 from loraplex.engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from loraplex.engine.errors import RequestError
 from loraplex.engine.serve.chat_messages import ChatMessage
+from loraplex.engine.serve.kv_transfer import KVTransferParams
 from loraplex.engine.serve.logprobs import ChoiceLogprobs, CompletionLogprobs
 from loraplex.engine.serve.lora_spec import LoraAdapterSpec
 from loraplex.engine.serve.output_formats import ResponseFormat, StructuredOutputsField
@@ -128,6 +129,9 @@ class _SamplingFields(_Request):
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     fairness_key: Annotated[str, StringConstraints(max_length=256)] | None = None
     fairness_weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    # vLLM's disaggregated prefill and decode (engine/serve/kv_transfer.py): pin the prompt's blocks for a decode
+    # engine, or fetch them from a prefill engine (or a peer's cache) first.
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def share_key(self) -> str:
@@ -332,6 +336,7 @@ class CompletionResponse(_Answer):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's pinned blocks (vLLM's field)
 
 
 # A stream's chunks have the same shape as the response (OpenAI's object is "text_completion" for both).
@@ -478,6 +483,7 @@ class ChatCompletionResponse(_Answer):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's pinned blocks (vLLM's field)
 
 
 class DeltaMessage(WithoutNulls):

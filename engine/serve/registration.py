@@ -19,6 +19,9 @@ the same prefix as the platform's keys:
           "num_waiting": 0,               requests queued (waiting for pages, a step's budget, or their adapter)
           "num_running": 3,               requests running
           "max_model_len": 8192,          prompt + completion tokens one request may have
+          "role": "both",                 --role: "prefill", "decode" or "both" (the platform sends a prompt's
+                                          prefill to a prefill engine and its decode to a decode engine when the
+                                          base model has both; "both" serves either half, or a whole request)
           "updated_at": 1733312345.123    unix seconds of this beat
         }
 
@@ -53,6 +56,7 @@ ENGINES_SET: Final = "fleet:engines"
 ENGINE_KEY: Final = "fleet:engine:{id}"
 _REDIS_SCHEMES: Final = ("redis://", "rediss://", "unix://")
 _WILDCARD_HOSTS: Final = frozenset({"", "0.0.0.0", "::"})  # noqa: S104  # bind addresses, not places to call
+ROLES: Final = ("prefill", "decode", "both")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,7 @@ class FleetRecord:
     num_running: int = 0
     max_model_len: int = 0
     updated_at: float = 0.0
+    role: str = "both"  # one of ROLES
 
     @property
     def load(self) -> float:
@@ -93,6 +98,7 @@ class FleetRecord:
             num_running=int(raw.get("num_running", 0)),
             max_model_len=int(raw.get("max_model_len", 0)),
             updated_at=float(raw.get("updated_at", 0.0)),
+            role=_role(raw.get("role", "both")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -108,7 +114,14 @@ class FleetRecord:
             "num_running": self.num_running,
             "max_model_len": self.max_model_len,
             "updated_at": self.updated_at,
+            "role": self.role,
         }
+
+
+def _role(value: Any) -> str:
+    if value not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, not {value!r}")
+    return str(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +133,10 @@ class RegistrationConfig:
     prefix: str = DEFAULT_PREFIX
     interval_s: float = 1.0  # between beats
     ttl_s: float = 5.0  # a key's life: missing this many seconds of beats drops the engine from the fleet
+    role: str = "both"  # what the platform sends it: prefills, decodes or both (ROLES)
 
     def __post_init__(self) -> None:
+        _role(self.role)
         if not self.redis_url.startswith(_REDIS_SCHEMES):
             raise ValueError(f"redis_url must start with {', '.join(_REDIS_SCHEMES)}")
         if not self.engine_id or not self.engine_id.isprintable() or any(c.isspace() for c in self.engine_id):
@@ -155,7 +170,7 @@ def default_public_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def engine_record(engine: AsyncEngine, engine_id: str, url: str, base_model: str) -> FleetRecord:
+def engine_record(engine: AsyncEngine, engine_id: str, url: str, base_model: str, role: str = "both") -> FleetRecord:
     """An engine's registry entry now, from the engine thread's latest snapshot: what a fleet engine announces in
     Redis and what the platform's embedded engine hands its router."""
     from loraplex.engine.lora.manager import AdapterState  # here: the registry format needs no torch
@@ -173,6 +188,7 @@ def engine_record(engine: AsyncEngine, engine_id: str, url: str, base_model: str
         num_running=state.num_running,
         max_model_len=engine.core.max_model_len,
         updated_at=time.time(),
+        role=role,
     )
 
 
@@ -203,7 +219,7 @@ class FleetRegistration:
                 await self.withdraw()
                 self._withdrawn = True
             return
-        entry = engine_record(self.engine, self.config.engine_id, self.config.url, self.base_model)
+        entry = engine_record(self.engine, self.config.engine_id, self.config.url, self.base_model, self.config.role)
         record = json.dumps(entry.to_json(), separators=(",", ":"))
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self.config.engine_key, record, px=int(self.config.ttl_s * 1000))
@@ -266,6 +282,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "ENGINES_SET",
     "ENGINE_KEY",
+    "ROLES",
     "FleetRecord",
     "FleetRegistration",
     "RegistrationConfig",

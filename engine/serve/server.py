@@ -23,6 +23,7 @@ request races its generation against the disconnect, answering 499.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -47,11 +48,14 @@ from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected, Error
 from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
 from loraplex.engine.serve.jobs import Job
+from loraplex.engine.serve.kv_transfer import KVBlocksRequest, KVTransferConfig, KVTransfers
 from loraplex.engine.serve.lora_registry import AdapterRoots, LoraRegistry
 from loraplex.engine.serve.metrics import CONTENT_TYPE
 from loraplex.engine.serve.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -161,6 +165,69 @@ def _sse_error(exc: BaseException) -> str:
 # --- HTTP --------------------------------------------------------------------------------------------------------
 
 Serving = NamedDependency[OpenAIServing]
+Transfers = NamedDependency[KVTransfers]
+
+
+async def _before_kv(kv: KVTransfers, job: Job, data: CompletionRequest | ChatCompletionRequest) -> None:
+    """Check a request's kv_transfer_params and, for a remote prefill, fetch its prompt's blocks (failures cost only
+    the recompute)."""
+    params = data.kv_transfer_params
+    if params is None:
+        return
+    if not kv.enabled:
+        raise ApiError(
+            400,
+            "kv_transfer_params needs an engine started with --api-key: only the router holding it may direct KV "
+            "transfers",
+            param="kv_transfer_params",
+        )
+    if params.do_remote_decode and params.do_remote_prefill:
+        raise ApiError(
+            400,
+            "a request is either a remote decode's prefill or a remote prefill's decode",
+            param="kv_transfer_params",
+        )
+    if (params.do_remote_decode or params.do_remote_prefill) and (len(job.prompts) != 1 or job.n != 1):
+        raise ApiError(400, "kv_transfer_params takes one prompt and one choice", param="kv_transfer_params")
+    if params.do_remote_decode and data.stream:
+        raise ApiError(400, "do_remote_decode answers in one piece: set stream to false", param="kv_transfer_params")
+    if params.do_remote_prefill:
+        if params.remote_url is None:
+            raise ApiError(400, "do_remote_prefill needs remote_url", param="kv_transfer_params.remote_url")
+        await kv.fetch(job, params)
+
+
+def _billed_usage(data: CompletionRequest | ChatCompletionRequest, answer: BaseModel) -> BaseModel:
+    """A remote prefill's decode reports the prefill engine's cache hits as its own: the prompt was computed there,
+    so the blocks it fetched are no hit of this engine's (a prefix pull's are, and stay counted)."""
+    params = data.kv_transfer_params
+    usage = getattr(answer, "usage", None)
+    if params is None or params.transfer_id is None or params.num_cached_tokens is None or usage is None:
+        return answer
+    usage.prompt_tokens_details.cached_tokens = min(params.num_cached_tokens, usage.prompt_tokens)
+    return answer
+
+
+async def _billed_chunks(
+    data: CompletionRequest | ChatCompletionRequest, chunks: AsyncGenerator[BaseModel, None]
+) -> AsyncGenerator[BaseModel, None]:
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            yield _billed_usage(data, chunk)
+
+
+async def _after_kv(
+    kv: KVTransfers,
+    job: Job,
+    data: CompletionRequest | ChatCompletionRequest,
+    answer: CompletionResponse | ChatCompletionResponse,
+) -> None:
+    """A prefill for a remote decode: pin its blocks and say where they are."""
+    params = data.kv_transfer_params
+    if params is not None and params.do_remote_decode:
+        pinned = await kv.pin(job)
+        cached = answer.usage.prompt_tokens_details.cached_tokens if answer.usage is not None else 0
+        answer.kv_transfer_params = {**pinned, "num_cached_tokens": cached}
 
 
 async def _server_sent_events(job: Job, chunks: AsyncGenerator[BaseModel, None]) -> AsyncGenerator[str, None]:
@@ -212,14 +279,17 @@ class OpenAIController(Controller):
 
     @post("/completions", status_code=200, summary="Create a completion (OpenAI's legacy completions API)")
     async def completions(
-        self, data: JSONBody[CompletionRequest], request: Request[Any, Any, Any], serving: Serving
+        self, data: JSONBody[CompletionRequest], request: Request[Any, Any, Any], serving: Serving, kv: Transfers
     ) -> Response[Any]:
         job = await serving.completion_job(data)
+        await _before_kv(kv, job, data)
         job.start(serving.engine)  # a full queue answers 503 here, before any byte
         if data.stream:
-            return _stream(job, serving.complete_stream(job, data))
+            return _stream(job, _billed_chunks(data, serving.complete_stream(job, data)))
         try:
-            return _json(await serving.complete(job, data, request))
+            answer = await serving.complete(job, data, request)
+            await _after_kv(kv, job, data, answer)
+            return _json(_billed_usage(data, answer))
         except ClientDisconnected:
             return _client_closed()
         finally:
@@ -227,14 +297,17 @@ class OpenAIController(Controller):
 
     @post("/chat/completions", status_code=200, summary="Create a chat completion")
     async def chat_completions(
-        self, data: JSONBody[ChatCompletionRequest], request: Request[Any, Any, Any], serving: Serving
+        self, data: JSONBody[ChatCompletionRequest], request: Request[Any, Any, Any], serving: Serving, kv: Transfers
     ) -> Response[Any]:
         job = await serving.chat_job(data)
+        await _before_kv(kv, job, data)
         job.start(serving.engine)  # a full queue answers 503 here, before any byte
         if data.stream:
-            return _stream(job, serving.chat_stream(job, data))
+            return _stream(job, _billed_chunks(data, serving.chat_stream(job, data)))
         try:
-            return _json(await serving.chat(job, data, request))
+            answer = await serving.chat(job, data, request)
+            await _after_kv(kv, job, data, answer)
+            return _json(_billed_usage(data, answer))
         except ClientDisconnected:
             return _client_closed()
         finally:
@@ -258,9 +331,15 @@ class OpenAIController(Controller):
         await serving.loras.unload(data.lora_name)
         return _text(f"Success: LoRA adapter '{data.lora_name}' removed successfully.")
 
+    @post("/kv/blocks", status_code=200, summary="Cached KV blocks by their chained hashes, for a peer engine")
+    async def kv_blocks(self, data: JSONBody[KVBlocksRequest], kv: Transfers) -> Response[bytes]:
+        if not kv.enabled:
+            raise ApiError(404, "KV transfer is off: the engine was started without --api-key", code="not_found")
+        return Response(await kv.export(data), status_code=200, media_type="application/octet-stream")
+
     @get("/state", summary="Load and free capacity, for the platform's router")
-    async def state(self, serving: Serving) -> dict[str, Any]:
-        return engine_state(serving)
+    async def state(self, serving: Serving, kv: Transfers) -> dict[str, Any]:
+        return {**engine_state(serving), "kv_transfer": kv.stats()}
 
 
 def _text(message: str) -> Response[str]:
@@ -296,6 +375,7 @@ def create_engine_app(
     registration: RegistrationConfig | None = None,
     api_key: str | None = None,
     tool_call_parser: str | None = None,
+    kv_transfer: KVTransferConfig | None = None,
 ) -> Litestar:
     """An app serving `engine`, which the caller owns (creates, and shuts down after the app stops), and the
     adapters already in `loras` (see `load_lora_modules`); without it, adapters come only from the load route.
@@ -305,7 +385,9 @@ def create_engine_app(
     ASGI server that runs lifespans, as uvicorn does); its base-model name is then also accepted as `model`.
     `api_key`: every /v1 route (completions, models, the adapter load and unload routes) then needs it as a bearer
     token, as vLLM's --api-key does; /healthz and /metrics stay open for probes and scrapes. `tool_call_parser`: see
-    `OpenAIServing`. Raises ValueError for a malformed root or an unknown parser.
+    `OpenAIServing`. `kv_transfer`: KV transfer between engines (engine/serve/kv_transfer.py; default: on with an
+    API key, this server's public URL the registration's). Raises ValueError for a malformed root or an unknown
+    parser.
     """
     roots = AdapterRoots(adapter_roots)
     aliases = [registration.base_model] if registration is not None and registration.base_model else []
@@ -316,7 +398,28 @@ def create_engine_app(
     def provide_serving() -> OpenAIServing:
         return serving
 
+    transfers = KVTransfers(
+        engine,
+        kv_transfer
+        or KVTransferConfig(public_url=registration.url if registration is not None else None, api_key=api_key),
+    )
+
+    def provide_transfers() -> KVTransfers:
+        return transfers
+
     lifespan = []
+    if transfers.enabled:
+
+        @contextlib.asynccontextmanager
+        async def sweeping(_: Litestar) -> AsyncIterator[None]:
+            task = asyncio.create_task(_sweep_forever(transfers), name="loraplex-kv-pins")
+            try:
+                yield
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+        lifespan.append(sweeping)
     fleet: FleetRegistration | None = None
     if registration is not None:
         fleet = FleetRegistration(engine, registration)
@@ -335,7 +438,10 @@ def create_engine_app(
     )
     app = Litestar(
         route_handlers=[openai, OperationsController],
-        dependencies={"serving": Provide(provide_serving, use_cache=True, sync_to_thread=False)},
+        dependencies={
+            "serving": Provide(provide_serving, use_cache=True, sync_to_thread=False),
+            "kv": Provide(provide_transfers, use_cache=True, sync_to_thread=False),
+        },
         exception_handlers={Exception: handle_exception},
         request_class=GuardedRequest,
         before_request=refuse_nul_bytes,
@@ -345,6 +451,17 @@ def create_engine_app(
     )
     app.state.fleet_registration = fleet  # None without a registration; its counters are for operators and tests
     return app
+
+
+async def _sweep_forever(transfers: KVTransfers) -> None:
+    """Free the pins whose time to live has run out, a few times per time to live."""
+    interval = max(0.05, transfers.config.ttl_s / 4)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await transfers.sweep()
+        except EngineError:  # the engine has failed: nothing to free any more
+            return
 
 
 async def load_lora_modules(engine: AsyncEngine, lora_modules: Sequence[LoRARequest]) -> LoraRegistry:
@@ -367,6 +484,7 @@ async def serve(
     registration: RegistrationConfig | None = None,
     api_key: str | None = None,
     tool_call_parser: str | None = None,
+    kv_transfer: KVTransferConfig | None = None,
 ) -> None:
     """Load the engine and the adapters named in `lora_modules`, serve them (and, with `registration`, announce
     them to the fleet) until uvicorn is told to stop (SIGINT/SIGTERM), then shut the engine down.
@@ -387,6 +505,7 @@ async def serve(
             registration=registration,
             api_key=api_key,
             tool_call_parser=tool_call_parser,
+            kv_transfer=kv_transfer,
         )
         server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

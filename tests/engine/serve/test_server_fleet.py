@@ -65,6 +65,7 @@ RECORD_FIELDS = {
     "num_running",
     "max_model_len",
     "updated_at",
+    "role",
 }
 
 
@@ -448,6 +449,7 @@ def test_the_engine_registers_beats_and_withdraws(setup: Setup, redis_server: Re
             assert (record["id"], record["url"], record["base_model"]) == (engine_id, urls[0], PLATFORM_NAME)
             assert record["adapters"] == []
             assert record["max_model_len"] == MAX_MODEL_LEN
+            assert record["role"] == "both"
             assert 0 < record["free_pages"] <= record["num_pages"]
             assert (record["num_waiting"], record["num_running"]) == (0, 0)
             assert abs(record["updated_at"] - time.time()) < 5
