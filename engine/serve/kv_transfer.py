@@ -66,6 +66,7 @@ class KVTransferParams(BaseModel):
     remote_url: Annotated[str, StringConstraints(pattern=r"^https?://", max_length=2048)] | None = None
     transfer_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,128}$")] | None = None
     num_cached_tokens: Annotated[int, Field(ge=0)] | None = None  # the prefill engine's own cache hits
+    num_blocks: Annotated[int, Field(ge=0)] | None = None  # blocks the prefill engine pinned (passed along as is)
 
 
 class KVBlocksRequest(BaseModel):
