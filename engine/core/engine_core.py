@@ -80,6 +80,9 @@ class EngineState:
     keys: tuple[KeyService, ...] = ()  # each fairness key's VTC counter, tokens served, preemptions
     # Speculation's totals per adapter name ("" the base model): (adapter, counts); empty when it is off.
     speculation: tuple[tuple[str, SpeculationCounts], ...] = ()
+    # Names of the adapters of the running and of the waiting requests, each once, in queue order.
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 class EngineCore:
@@ -548,6 +551,12 @@ class EngineCore:
             )
             if (speculator := self.scheduler.speculator) is not None
             else (),
+            running_adapters=tuple(
+                dict.fromkeys(r.adapter.ref.name for r in self.scheduler.running if r.adapter is not None)
+            ),
+            waiting_adapters=tuple(
+                dict.fromkeys(r.adapter.ref.name for r in self.scheduler.waiting if r.adapter is not None)
+            ),
         )
 
     # --- tensor parallelism's other ranks ------------------------------------------------------------------------

@@ -156,6 +156,7 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens,
             lora_name=request.adapter.ref.name if request.adapter is not None else None,
             error=request.error,
+            queue_time_s=request.queue_time_s,
         )
 
     @staticmethod

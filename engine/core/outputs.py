@@ -54,3 +54,4 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     lora_name: str | None = None
     error: str | None = None  # why it finished with finish_reason "error"
+    queue_time_s: float | None = None  # from entering the engine to its first scheduling; None until it first ran

@@ -1,7 +1,7 @@
 """A request's state inside the engine: its tokens, how many have KV in the cache, and its blocks.
 
-Its fields are written by the scheduler (status, computed tokens, preemptions, cached tokens) and the output
-processor (output tokens, stop reason, the grammar's state) only; its KV blocks are the memory package's
+Its fields are written by the scheduler (status, computed tokens, preemptions, cached tokens, first scheduling) and
+the output processor (output tokens, stop reason, the grammar's state) only; its KV blocks are the memory package's
 `SequenceBlocks`, which the KV cache manager alone writes. It is a `KVSequence`: what the memory package reads of a
 sequence."""
 
@@ -48,6 +48,9 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at the first admission)
+    # time.monotonic() at its first admission, like `arrival_time`; None until then. A restart after preemption keeps
+    # it: the queue time it gives (`queue_time_s`) is vLLM's, from arrival to the first scheduling.
+    first_scheduled_time: float | None = None
     cache_salt: str | None = None  # set by a trusted caller (the platform: per tenant); part of block 0's hash
     adapter: AdapterEntry | None = None  # None: the base model
     error: str | None = None  # why it finished with FINISHED_ERROR
@@ -70,6 +73,11 @@ class Request:
     def is_prefilled(self) -> bool:
         """Its prompt has K/V (or it finished, so nothing waits on it any more)."""
         return self.status.is_finished or self.num_computed_tokens >= len(self.prompt_token_ids)
+
+    @property
+    def queue_time_s(self) -> float | None:
+        """Seconds from entering the engine to its first scheduling; None while it has never run."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,6 +22,7 @@ so a stream of one-off keys (the engine server's `user` fallback) does not grow 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -344,6 +345,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = min(admission.num_cached_tokens, request.num_prompt_tokens)
                 self.memory.record_first_start(request)
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if digest is not None:

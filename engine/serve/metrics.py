@@ -4,11 +4,19 @@ Each server app owns an `EngineMetrics` with its own registry (never prometheus_
 apps in one process, as in tests, never share or double-register series. Request counters and latency
 histograms are recorded by the server as requests end; load gauges (running, waiting, pool pages, preemptions)
 are read from the engine's latest state snapshot when scraped, so they can never drift from it.
+
+Beside loraplex's own names, `VllmMetrics` adds vLLM's, with vLLM's types, labels and bucket edges, so that an
+endpoint picker of the Gateway API Inference Extension configured for vLLM (its model-server protocol, proposal 003),
+and dashboards written for vLLM, read this server unchanged (decision 0042): the gauges `vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction, 0 to 1) and `vllm:lora_requests_info`, and the
+histograms `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`, `vllm:request_queue_time_seconds`
+and `vllm:e2e_request_latency_seconds`, each labelled `model_name` (the served model name, adapters' requests too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +29,7 @@ if TYPE_CHECKING:
     from loraplex.engine.core.engine_core import (
         EngineState,  # the core pulls in torch; these metrics only read its snapshot
     )
+    from loraplex.engine.memory.page_pool import PoolUsage
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the classic text format every Prometheus version scrapes
 
@@ -28,6 +37,21 @@ _PREFIX = "loraplex_engine"
 # Seconds: from tens of milliseconds (short prompts on a GPU) to minutes (long generations on a CPU).
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# vLLM's bucket edges (its PrometheusStatLogger), so that quantiles queried from our vllm: histograms mean what they
+# mean on vLLM's.
+_VLLM_TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0),
+    *(2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+_VLLM_ITL_BUCKETS = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0),
+    *(2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+_VLLM_REQUEST_BUCKETS = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0),
+    *(40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +66,10 @@ class RequestRecord:
     latency_s: float
     adapter: str = ""  # the LoRA adapter's name; "" for the base model
     num_reasoning_tokens: int = 0  # of the generated tokens, those of its think block
+    queue_time_s: float | None = None  # from entering the engine to its first scheduling; None: never seen running
+    # Between consecutive outputs that brought new tokens, as the server received them (one per step after the
+    # first token, as vLLM's inter-token latency: a step that emits several tokens counts once).
+    inter_token_latencies_s: tuple[float, ...] = ()
 
 
 class _StateCollector(Collector):
@@ -260,3 +288,121 @@ class _LoraCollector(Collector):
         yield GaugeMetricFamily(
             f"{_PREFIX}_lora_adapters_registered", "Adapter names the server answers to.", self._num_names()
         )
+
+
+class VllmMetrics:
+    """vLLM's names for the same server, added to its `EngineMetrics` registry: the request histograms (recorded as
+    requests end, from the same records as ours) and the load gauges (read from the engine's snapshot when scraped).
+
+    Every series carries `model_name`, the served model name, whatever adapter a request ran with (as vLLM labels
+    them), so their label sets stay one per server; adapter names appear only in `vllm:lora_requests_info`.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        state: Callable[[], EngineState],
+        *,
+        model_name: str,
+        max_lora: int,
+    ) -> None:
+        """`max_lora`: how many distinct adapters can run at once; requests of more wait (vLLM's --max-loras)."""
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=_VLLM_TTFT_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            buckets=_VLLM_ITL_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            labels,
+            buckets=_VLLM_REQUEST_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels,
+            buckets=_VLLM_REQUEST_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        registry.register(_VllmStateCollector(state, model_name, max_lora))
+
+    def record(self, record: RequestRecord) -> None:
+        if record.time_to_first_token_s is not None:
+            self.time_to_first_token.observe(record.time_to_first_token_s)
+        for interval in record.inter_token_latencies_s:
+            self.inter_token_latency.observe(interval)
+        if record.queue_time_s is not None:
+            self.queue_time.observe(record.queue_time_s)
+        self.e2e_latency.observe(record.latency_s)
+
+
+def _kv_cache_usage(pool: PoolUsage) -> float:
+    """The fraction of the pool that new requests cannot have: pages held and not evictable, so the KV blocks of
+    running requests and the adapters they pin. Adapters and KV share the pool, so a pinned adapter's pages are room
+    no KV block can take; unreferenced prefix-cache blocks and idle adapters are evicted on demand, so they count as
+    free, as vLLM counts its cached blocks that no request holds."""
+    if pool.num_pages == 0:
+        return 0.0
+    return (pool.num_pages - pool.num_free - pool.num_evictable) / pool.num_pages
+
+
+def _adapter_list(names: Sequence[str], limit: int) -> str:
+    """A label value of `vllm:lora_requests_info`: the first `limit` names, sorted, joined by commas (no spaces: the
+    endpoint picker splits on the comma alone). Names holding a comma are left out, since they would read as two."""
+    return ",".join(sorted([name for name in names if "," not in name][:limit]))
+
+
+class _VllmStateCollector(Collector):
+    def __init__(self, state: Callable[[], EngineState], model_name: str, max_lora: int) -> None:
+        self._state = state
+        self._model_name = model_name
+        self._max_lora = max_lora
+
+    def collect(self) -> Iterable[Metric]:
+        state = self._state()
+        model = [self._model_name]
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", labels=["model_name"]
+        )
+        running.add_metric(model, state.num_running)
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=["model_name"]
+        )
+        waiting.add_metric(model, state.num_waiting)
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage (pool pages held by running requests' KV and adapters).",
+            labels=["model_name"],
+        )
+        usage.add_metric(model, _kv_cache_usage(state.pool))
+        yield from (running, waiting, usage)
+        # vLLM's shape: the value is when the lists were read (the picker takes the series with the latest), the
+        # lists are label values. Each list holds at most max_lora names: that bounds the label values and leaves the
+        # picker's test "room for one more adapter" (running and waiting names listed < max_lora) answered as the
+        # untruncated lists would answer it.
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        lora.add_metric(
+            [
+                str(self._max_lora),
+                _adapter_list(state.waiting_adapters, self._max_lora),
+                _adapter_list(state.running_adapters, self._max_lora),
+            ],
+            time.time(),
+        )
+        yield lora

@@ -45,7 +45,7 @@ from loraplex.engine.serve.jobs import Delta, Job, JobPrompt, job_usage, merge, 
 from loraplex.engine.serve.logprobs import ChoiceLogprobs, CompletionLogprobs
 from loraplex.engine.serve.lora_registry import LORA_ADAPTER_PARAM, AdapterRoots, LoraRegistry
 from loraplex.engine.serve.lora_spec import LoraAdapterSpec
-from loraplex.engine.serve.metrics import EngineMetrics, LoraMetrics, RequestRecord
+from loraplex.engine.serve.metrics import EngineMetrics, LoraMetrics, RequestRecord, VllmMetrics
 from loraplex.engine.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -118,6 +118,14 @@ class OpenAIServing:
         self.metrics = EngineMetrics(engine.state, lambda: engine.is_healthy, engine.refusals)
         self.lora_metrics = LoraMetrics(
             self.metrics.registry, self._num_resident_adapters, lambda: len(self.loras.adapters())
+        )
+        config = engine.core.config
+        # Distinct adapters that can run at once: the scheduler's cap per step, and they must all be resident.
+        self.vllm_metrics = VllmMetrics(
+            self.metrics.registry,
+            engine.state,
+            model_name=self.model_name,
+            max_lora=min(config.max_loras, config.max_adapters_per_batch),
         )
 
     # validation, before any response byte
@@ -261,6 +269,9 @@ class OpenAIServing:
         request_id = job.request_id(index)
         prompt = job.prompt_of(index)
         first_token_at: float | None = None
+        token_at = 0.0  # when the latest output that brought tokens came
+        num_tokens = 0
+        intervals: list[float] = []  # between outputs that brought tokens, after the first
         last: RequestOutput | None = None
         failed = False
         try:
@@ -268,8 +279,13 @@ class OpenAIServing:
             # Closing the stream is what aborts the request.
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
-                    if first_token_at is None and output.outputs[0].token_ids:
-                        first_token_at = time.perf_counter()
+                    if len(output.outputs[0].token_ids) > num_tokens:
+                        now = time.perf_counter()
+                        if first_token_at is None:
+                            first_token_at = now
+                        else:
+                            intervals.append(now - token_at)
+                        token_at, num_tokens = now, len(output.outputs[0].token_ids)
                     last = output
                     yield output
         except RequestFailed as exc:
@@ -298,8 +314,11 @@ class OpenAIServing:
                 num_reasoning_tokens=reasoning.num_tokens
                 if last is not None and (reasoning := last.outputs[0].reasoning) is not None
                 else 0,
+                queue_time_s=last.queue_time_s if last is not None else None,
+                inter_token_latencies_s=tuple(intervals),
             )
             self.metrics.record(record)
+            self.vllm_metrics.record(record)
             if job.lora is not None:
                 self.lora_metrics.record(job.lora.name, finish_reason)
             logger.info(
