@@ -48,14 +48,13 @@ from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected, Error
 from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
 from loraplex.engine.serve.jobs import Job
+from loraplex.engine.serve.kv_routes import after_kv, before_kv, billed_usage, sweep_forever, transfer_stream
 from loraplex.engine.serve.kv_transfer import KVBlocksRequest, KVTransferConfig, KVTransfers
 from loraplex.engine.serve.lora_registry import AdapterRoots, LoraRegistry
 from loraplex.engine.serve.metrics import CONTENT_TYPE
 from loraplex.engine.serve.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -168,68 +167,6 @@ Serving = NamedDependency[OpenAIServing]
 Transfers = NamedDependency[KVTransfers]
 
 
-async def _before_kv(kv: KVTransfers, job: Job, data: CompletionRequest | ChatCompletionRequest) -> None:
-    """Check a request's kv_transfer_params and, for a remote prefill, fetch its prompt's blocks (failures cost only
-    the recompute)."""
-    params = data.kv_transfer_params
-    if params is None:
-        return
-    if not kv.enabled:
-        raise ApiError(
-            400,
-            "kv_transfer_params needs an engine started with --api-key: only the router holding it may direct KV "
-            "transfers",
-            param="kv_transfer_params",
-        )
-    if params.do_remote_decode and params.do_remote_prefill:
-        raise ApiError(
-            400,
-            "a request is either a remote decode's prefill or a remote prefill's decode",
-            param="kv_transfer_params",
-        )
-    if (params.do_remote_decode or params.do_remote_prefill) and (len(job.prompts) != 1 or job.n != 1):
-        raise ApiError(400, "kv_transfer_params takes one prompt and one choice", param="kv_transfer_params")
-    if params.do_remote_decode and data.stream:
-        raise ApiError(400, "do_remote_decode answers in one piece: set stream to false", param="kv_transfer_params")
-    if params.do_remote_prefill:
-        if params.remote_url is None:
-            raise ApiError(400, "do_remote_prefill needs remote_url", param="kv_transfer_params.remote_url")
-        await kv.fetch(job, params)
-
-
-def _billed_usage(data: CompletionRequest | ChatCompletionRequest, answer: BaseModel) -> BaseModel:
-    """A remote prefill's decode reports the prefill engine's cache hits as its own: the prompt was computed there,
-    so the blocks it fetched are no hit of this engine's (a prefix pull's are, and stay counted)."""
-    params = data.kv_transfer_params
-    usage = getattr(answer, "usage", None)
-    if params is None or params.transfer_id is None or params.num_cached_tokens is None or usage is None:
-        return answer
-    usage.prompt_tokens_details.cached_tokens = min(params.num_cached_tokens, usage.prompt_tokens)
-    return answer
-
-
-async def _billed_chunks(
-    data: CompletionRequest | ChatCompletionRequest, chunks: AsyncGenerator[BaseModel, None]
-) -> AsyncGenerator[BaseModel, None]:
-    async with contextlib.aclosing(chunks):
-        async for chunk in chunks:
-            yield _billed_usage(data, chunk)
-
-
-async def _after_kv(
-    kv: KVTransfers,
-    job: Job,
-    data: CompletionRequest | ChatCompletionRequest,
-    answer: CompletionResponse | ChatCompletionResponse,
-) -> None:
-    """A prefill for a remote decode: pin its blocks and say where they are."""
-    params = data.kv_transfer_params
-    if params is not None and params.do_remote_decode:
-        pinned = await kv.pin(job)
-        cached = answer.usage.prompt_tokens_details.cached_tokens if answer.usage is not None else 0
-        answer.kv_transfer_params = {**pinned, "num_cached_tokens": cached}
-
-
 async def _server_sent_events(job: Job, chunks: AsyncGenerator[BaseModel, None]) -> AsyncGenerator[str, None]:
     """OpenAI's framing: `data: {json}\\n\\n` per chunk, an error event if the stream fails, then `data: [DONE]`."""
     try:
@@ -282,14 +219,14 @@ class OpenAIController(Controller):
         self, data: JSONBody[CompletionRequest], request: Request[Any, Any, Any], serving: Serving, kv: Transfers
     ) -> Response[Any]:
         job = await serving.completion_job(data)
-        await _before_kv(kv, job, data)
+        await before_kv(kv, job, data)
         job.start(serving.engine)  # a full queue answers 503 here, before any byte
         if data.stream:
-            return _stream(job, _billed_chunks(data, serving.complete_stream(job, data)))
+            return _stream(job, transfer_stream(kv, job, data, serving.complete_stream(job, data)))
         try:
             answer = await serving.complete(job, data, request)
-            await _after_kv(kv, job, data, answer)
-            return _json(_billed_usage(data, answer))
+            await after_kv(kv, job, data, answer)
+            return _json(billed_usage(data, answer))
         except ClientDisconnected:
             return _client_closed()
         finally:
@@ -300,14 +237,14 @@ class OpenAIController(Controller):
         self, data: JSONBody[ChatCompletionRequest], request: Request[Any, Any, Any], serving: Serving, kv: Transfers
     ) -> Response[Any]:
         job = await serving.chat_job(data)
-        await _before_kv(kv, job, data)
+        await before_kv(kv, job, data)
         job.start(serving.engine)  # a full queue answers 503 here, before any byte
         if data.stream:
-            return _stream(job, _billed_chunks(data, serving.chat_stream(job, data)))
+            return _stream(job, transfer_stream(kv, job, data, serving.chat_stream(job, data)))
         try:
             answer = await serving.chat(job, data, request)
-            await _after_kv(kv, job, data, answer)
-            return _json(_billed_usage(data, answer))
+            await after_kv(kv, job, data, answer)
+            return _json(billed_usage(data, answer))
         except ClientDisconnected:
             return _client_closed()
         finally:
@@ -412,7 +349,7 @@ def create_engine_app(
 
         @contextlib.asynccontextmanager
         async def sweeping(_: Litestar) -> AsyncIterator[None]:
-            task = asyncio.create_task(_sweep_forever(transfers), name="loraplex-kv-pins")
+            task = asyncio.create_task(sweep_forever(transfers), name="loraplex-kv-pins")
             try:
                 yield
             finally:
@@ -451,17 +388,6 @@ def create_engine_app(
     )
     app.state.fleet_registration = fleet  # None without a registration; its counters are for operators and tests
     return app
-
-
-async def _sweep_forever(transfers: KVTransfers) -> None:
-    """Free the pins whose time to live has run out, a few times per time to live."""
-    interval = max(0.05, transfers.config.ttl_s / 4)
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            await transfers.sweep()
-        except EngineError:  # the engine has failed: nothing to free any more
-            return
 
 
 async def load_lora_modules(engine: AsyncEngine, lora_modules: Sequence[LoRARequest]) -> LoraRegistry:

@@ -17,11 +17,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import os
 import secrets
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -34,15 +30,11 @@ import httpx
 import openai
 import pytest
 import redis
-from _support import services
-from _support.adapters import make_peft_adapter
 from _support.services import PostgresServer, RedisServer, S3Server
 from _support.waiting import poll
-from litestar import Litestar
 from openai.types.chat import ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.platform.app import create_app
 from loraplex.platform.domain.fleet.client import (
     EngineClient,
@@ -54,7 +46,18 @@ from loraplex.platform.domain.fleet.registry import AFFINITY_KEY, BALANCE_SLACK,
 from loraplex.platform.kv import RedisStore
 from loraplex.platform.settings import Settings
 
-from .conftest import ADMIN_TOKEN, bearer, module_settings_sync, serving
+from .conftest import bearer, module_settings_sync, serving
+from .fleet_setup import (
+    ADMIN,
+    ENGINE_AUTH,
+    ENGINE_KEY,
+    EngineProcess,
+    Platform,
+    Tenant,
+    engine_process,
+    free_ports,
+    make_tenant,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -65,10 +68,6 @@ MAX_MODEL_LEN = 1024  # the tiny checkpoint's max_position_embeddings
 PROMPT = "Write a long story about a lighthouse keeper and the ships that pass by at night."
 MAX_TOKENS = 12
 HEARTBEAT_TTL_MS = 5000  # the engine's registry key lives this long after its last beat
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-# The engine's --api-key (from LORAPLEX_ENGINE_API_KEY, as compose.yaml gives it), which the platform sends.
-ENGINE_KEY = "engine-key-for-fleet-tests-0123"
-ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
 MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
 PLATFORM_METRICS = "loraplex_platform"
 
@@ -99,126 +98,26 @@ def settings(
         yield value
 
 
-def _free_ports(count: int) -> list[int]:
-    # Below 55535 and clear of +10000: SeaweedFS servers other sessions start take such pairs.
-    return services.free_port_pairs(count)
-
-
-@dataclass
-class EngineProcess:
-    process: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-    def kill(self) -> None:
-        """SIGKILL: no clean shutdown, so no withdrawal from the registry; its key expires on its own."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def engine(
     settings: Settings, tiny_base_checkpoint: Path, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
     """`loraplex engine serve` as its own process, registered in the platform's Redis under ENGINE_ID."""
-    assert settings.redis_url is not None and settings.s3_endpoint_url is not None
-    (port,) = _free_ports(1)
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("engine") / "engine.log"
-    command = [
-        str(Path(sys.executable).with_name("loraplex")),
-        "engine",
-        "serve",
-        "--model",
-        str(tiny_base_checkpoint),
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        "--num-threads",
-        "1",
-        "--kv-budget",
-        "16MiB",
-        "--redis-url",
-        settings.redis_url,
-        "--redis-prefix",
-        settings.redis_prefix,
-        "--engine-id",
-        ENGINE_ID,
-        "--public-url",
-        url,
-        "--base-model-name",
-        BASE,
-        "--adapter-root",
-        f"s3://{settings.s3_bucket}/tenants/",
-        "--s3-endpoint-url",
-        settings.s3_endpoint_url,
-    ]
-    # The engine reads S3 with boto3's default credential chain.
-    env = {
-        **os.environ,
-        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
-        "AWS_DEFAULT_REGION": s3_server.region,
-        "LORAPLEX_ENGINE_API_KEY": ENGINE_KEY,
-    }
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
-    running = EngineProcess(process, url, log)
-    try:
-        started = poll(lambda: process.poll() is not None or _healthy(url), 90, interval_s=0.2)
-        assert started and process.poll() is None, f"the engine did not start:\n{running.log_tail()}"
+    with engine_process(
+        settings,
+        tiny_base_checkpoint,
+        s3_server,
+        tmp_path_factory.mktemp("engine"),
+        engine_id=ENGINE_ID,
+        base_model=BASE,
+    ) as running:
         yield running
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-@dataclass
-class Platform:
-    url: str
-    app: Litestar
-
-    @property
-    def router(self) -> Router:
-        router: Router = self.app.state.resources.router
-        return router
-
-    def get(self, path: str, headers: dict[str, str]) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", headers=headers, timeout=30)
-
-    def post(self, path: str, headers: dict[str, str], **kwargs: Any) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", headers=headers, timeout=60, **kwargs)
-
-    def engines(self) -> dict[str, dict[str, Any]]:
-        """GET /admin/engines, by replica id."""
-        response = self.get("/admin/engines", ADMIN)
-        assert response.status_code == 200, response.text
-        body = response.json()
-        assert body["object"] == "list"
-        return {replica["id"]: replica for replica in body["data"]}
 
 
 @pytest.fixture(scope="module")
 def platform(settings: Settings, tiny_base_checkpoint: Path) -> Iterator[Platform]:
     """The platform app on uvicorn (lifespan included) in a thread with its own event loop; BASE registered."""
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     app = create_app(settings)
     with serving(app, port=port, start_timeout_s=60) as url:
         value = Platform(url, app)
@@ -227,55 +126,12 @@ def platform(settings: Settings, tiny_base_checkpoint: Path) -> Iterator[Platfor
         yield value
 
 
-@dataclass(frozen=True)
-class Tenant:
-    id: str
-    key: str
-    adapter_id: str
-    digest: str
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return bearer(self.key)
-
-    def openai(self, platform: Platform) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{platform.url}/v1", api_key=self.key, max_retries=0, timeout=60)
-
-    def source(self, bucket: str | None) -> str:
-        """Where the platform stored the adapter: the s3:// folder of its two files."""
-        return f"s3://{bucket}/tenants/{self.id}/adapters/{self.adapter_id}"
-
-
 @pytest.fixture(scope="module")
 def tenant(platform: Platform, tiny_base_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Tenant:
     """A tenant with a key, a random PEFT adapter uploaded through the API, and ENDPOINT over it."""
-    response = platform.post("/admin/tenants", ADMIN, json={"name": f"fleet-{secrets.token_hex(3)}"})
-    assert response.status_code == 201, response.text
-    tenant_id = response.json()["id"]
-    response = platform.post(f"/admin/tenants/{tenant_id}/api-keys", ADMIN, json={"name": "k"})
-    assert response.status_code == 201, response.text
-    key = response.json()["key"]
-
-    folder = make_peft_adapter(
-        tiny_base_checkpoint,
-        tmp_path_factory.mktemp("adapter") / "adapter",
-        seed=1,
-        r=8,
-        lora_alpha=16,
-        target_modules="all-linear",
+    return make_tenant(
+        platform, tiny_base_checkpoint, tmp_path_factory.mktemp("adapter"), base_model=BASE, endpoint=ENDPOINT
     )
-    files = {name: (name, (folder / name).read_bytes()) for name in (CONFIG_FILE, WEIGHTS_FILE)}
-    response = platform.post(
-        "/v1/adapters", bearer(key), data={"name": "support-adapter", "base_model": BASE}, files=files
-    )
-    assert response.status_code == 201, response.text
-    adapter = response.json()
-    assert adapter["status"] == "ready"
-    response = platform.post(
-        "/v1/endpoints", bearer(key), json={"name": ENDPOINT, "base_model": BASE, "adapter_id": adapter["id"]}
-    )
-    assert response.status_code == 201, response.text
-    return Tenant(tenant_id, key, adapter["id"], adapter["digest"])
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------
@@ -579,7 +435,7 @@ class StubEngine:
 @contextlib.contextmanager
 def serving_stub(**fields: Any) -> Iterator[StubEngine]:
     """A StubEngine (with these fields) answering on a port of its own until the block ends."""
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     stub = StubEngine(f"http://127.0.0.1:{port}", **fields)
     stub.release.set()
     stub.midway.set()
@@ -826,7 +682,7 @@ def test_a_replica_that_refuses_connections_is_routed_around(
     """A crashed engine's key outlives it by up to its TTL: the request it refuses goes to the next replica, and
     later ones skip it."""
     assert settings.redis_url is not None
-    (closed_port,) = _free_ports(1)  # nothing listens there
+    (closed_port,) = free_ports(1)  # nothing listens there
     ghost = StubEngine(f"http://127.0.0.1:{closed_port}")
     expected = _engine_chat(engine, _lora_adapter(tenant, settings))["choices"][0]["message"]["content"]
     heartbeat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: ghost.record([tenant.digest]))
@@ -840,7 +696,7 @@ def test_a_replica_that_refuses_connections_is_routed_around(
         assert ghost.id in platform.engines()  # still registered (its key lives): only the routing avoids it
 
         # A streamed request is retried the same way, before its first byte: a second ghost, first choice again.
-        second = StubEngine(f"http://127.0.0.1:{_free_ports(1)[0]}")
+        second = StubEngine(f"http://127.0.0.1:{free_ports(1)[0]}")
         second_beat = Heartbeat(settings.redis_url, settings.redis_prefix, lambda: second.record([tenant.digest]))
         second_beat.start()
         try:
@@ -869,7 +725,7 @@ def test_a_request_no_replica_accepts_is_a_503(
     name = f"ghost-base-{secrets.token_hex(3)}"
     response = platform.post("/admin/base-models", ADMIN, json={"name": name, "source": str(tiny_base_checkpoint)})
     assert response.status_code == 201, response.text
-    ghosts = [StubEngine(f"http://127.0.0.1:{port}", base_model=name) for port in _free_ports(2)]
+    ghosts = [StubEngine(f"http://127.0.0.1:{port}", base_model=name) for port in free_ports(2)]
     heartbeats = [Heartbeat(settings.redis_url, settings.redis_prefix, lambda g=g: g.record([])) for g in ghosts]
     for heartbeat in heartbeats:
         heartbeat.start()

@@ -260,6 +260,37 @@ async def route(
     return await resources.router.pick(target.base_model.name, digest, affinity, exclude)
 
 
+async def prefill_remotely(resources: Resources, call: Call) -> None:
+    """Disaggregated prefill and decode (decision 0043): when the decode replica chosen for this call announced the
+    role "decode" and a prefill replica serves its base model, the prompt is prefilled there first (one token, its
+    KV blocks pinned) and the decode replica is told where to fetch them. Anything that goes wrong here leaves the
+    call as it was: the decode replica computes the prompt itself."""
+    body = call.engine_body
+    if call.replica.role != "decode" or body.get("n", 1) != 1 or "kv_transfer_params" in body:
+        return
+    if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
+        return  # several prompts: one transfer carries one prompt's blocks
+    digest = call.target.adapter.digest if call.target.adapter is not None else None
+    prefill = await resources.router.pick_prefill(call.target.base_model.name, digest)
+    if prefill is None:
+        return
+    first = {key: value for key, value in body.items() if key not in ("max_completion_tokens", "min_tokens")}
+    first |= {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params: dict[str, Any] | None = None
+    events = resources.fleet.client(prefill).stream(call.path, first)
+    try:
+        async for event in events:
+            if isinstance(event.get("kv_transfer_params"), dict):
+                params = event["kv_transfer_params"]
+    except (EngineUnavailable, EngineRequestError) as exc:
+        logger.warning("%s: prefill on %s failed, the decode engine computes it: %s", call.request_id, prefill.id, exc)
+        return
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    if params is not None:
+        body["kv_transfer_params"] = {"do_remote_prefill": True, **params}
+
+
 async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, Any], None]:
     """The engine's events for this call, rewritten for the client (our id, the client's model name); the tally
     follows exactly the chunks handed out. Usage chunks pass only when the client asked for them.
@@ -271,6 +302,7 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
     shortest Retry-After of those replicas (the soonest one of them expects room). Once an engine has accepted the
     request it stays there: a failure after that ends it, since the engine may have started generating."""
     created = int(time.time())
+    await prefill_remotely(resources, call)
     tried: set[str] = set()
     overloaded: list[EngineRequestError] = []
     while True:

@@ -12,6 +12,9 @@ guards keep those preferences from piling work onto one replica:
 - Residency and warmth only choose among replicas whose load is within BALANCE_SLACK of the least loaded one (as
   SGLang's cache-aware router falls back to the shortest queue when the fleet is out of balance): a hot adapter or a
   busy tenant is served by a second replica rather than queueing behind itself.
+Disaggregated prefill and decode: a replica announced with role "prefill" gets no whole requests while another
+serves the base model; `pick_prefill` picks among those (adapter resident first, then load) the engine that prefills
+a request's prompt for the decode replica `pick` chose (completions/service.py's `prefill_remotely`).
 A replica that refused a connection is left out of routing for UNREACHABLE_S (a crashed engine's key lives on for up
 to its TTL); if every replica of the base model is left out, they are tried anyway. With a single candidate there is
 nothing to choose: the affinity is neither read nor written (a round trip to Redis saved per request), so the first
@@ -179,6 +182,7 @@ class Router:
         request has already tried); None when no other serves `base_model`."""
         replicas = await self.fleet.replicas()
         serving = [r for r in replicas if r.base_model == base_model and r.id not in exclude]
+        serving = [r for r in serving if r.role != "prefill"] or serving
         candidates = [r for r in serving if self.fleet.reachable(r)] or serving
         if not candidates:
             return None
@@ -220,6 +224,24 @@ class Router:
         if affinity is not None and chosen.id != warm_id:
             with contextlib.suppress(RedisError, OSError):
                 await self._kv.set(AFFINITY_KEY.format(key=affinity), chosen.id.encode(), ttl_s=AFFINITY_TTL_S)
+        return chosen
+
+    async def pick_prefill(self, base_model: str, adapter_digest: str | None) -> Replica | None:
+        """A prefill-role replica for a request's prompt (adapter resident first, then the least loaded, counting
+        recent picks); None when the base model has none that is reachable."""
+        replicas = await self.fleet.replicas()
+        candidates = [
+            r for r in replicas if r.base_model == base_model and r.role == "prefill" and self.fleet.reachable(r)
+        ]
+        if not candidates:
+            return None
+        now = time.monotonic()
+        recent = self._recent(now)
+        chosen = min(
+            candidates,
+            key=lambda r: (adapter_digest is None or adapter_digest not in r.adapters, r.load + recent.get(r.id, 0)),
+        )
+        self._sent.setdefault(chosen.id, collections.deque()).append(now)
         return chosen
 
     def recent_picks(self) -> dict[str, int]:
