@@ -443,7 +443,13 @@ def serving_stub(**fields: Any) -> Iterator[StubEngine]:
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # http.server's name
             length = int(self.headers.get("Content-Length", "0"))
-            stub.received.append(json.loads(self.rfile.read(length)))
+            body = self.rfile.read(length)
+            if self.path == "/v1/kv/blocks":  # a peer pulling a prefix it expects here: this stub has no KV
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            stub.received.append(json.loads(body))
             stub.release.wait(60)
             if stub.overloaded_retry_after is not None:
                 self._refuse_overloaded(stub.overloaded_retry_after)
@@ -937,6 +943,41 @@ async def test_residency_and_warmth_win_only_while_the_load_is_in_balance(router
     ids = [c.id for c in chosen if c is not None]
     assert ids[: int(BALANCE_SLACK) + 1] == ["b"] * (int(BALANCE_SLACK) + 1)
     assert ids[-1] == "a"
+
+
+async def test_balance_names_the_warm_peer_it_passed_over(router_kv: RedisStore) -> None:
+    """When load sends a prefix away from the replica it last went to, the choice names that replica: the chosen one
+    may fetch the prefix's KV blocks from it (a prefix pull) instead of computing them."""
+    fleet = StaticFleet([_idle("a"), _idle("b")])
+    first = await Router(fleet, router_kv).choose(BASE, None, "tenant-9:")
+    assert first is not None and first.warm_peer is None
+    warm = first.replica.id
+    fleet.replicas_now = [_idle(r, num_waiting=int(BALANCE_SLACK) if r == warm else 0) for r in ("a", "b")]
+    moved = await Router(fleet, router_kv).choose(BASE, None, "tenant-9:")
+    assert moved is not None and moved.replica.id != warm
+    assert moved.warm_peer is not None and moved.warm_peer.id == warm
+    again = await Router(fleet, router_kv).choose(BASE, None, "tenant-9:")
+    assert again is not None and again.warm_peer is None, "the prefix went to the new replica: it is warm now"
+
+
+async def test_prefill_replicas_get_prefills_only(router_kv: RedisStore) -> None:
+    digest = "sha256:" + "ef" * 32
+    fleet = StaticFleet(
+        [
+            _idle("p1", role="prefill"),
+            _idle("p2", role="prefill", adapters=frozenset({digest})),
+            _idle("d", role="decode", num_waiting=20),
+        ]
+    )
+    router = Router(fleet, router_kv)
+    assert {(await router.pick(BASE, None, None)).id for _ in range(4)} == {"d"}  # type: ignore[union-attr]
+    prefill = await router.pick_prefill(BASE, digest)
+    assert prefill is not None and prefill.id == "p2"  # the adapter's resident there
+    fleet.replicas_now = [_idle("p1", role="prefill")]
+    only = await router.pick(BASE, None, None)
+    assert only is not None and only.id == "p1", "with no other replica a prefill one serves whole requests"
+    fleet.replicas_now = [_idle("d", role="decode")]
+    assert await router.pick_prefill(BASE, None) is None
 
 
 async def test_a_single_replica_costs_no_affinity_round_trip(router_kv: RedisStore) -> None:

@@ -100,8 +100,8 @@ async def _prepare(resources: Resources, principal: TenantPrincipal, body: Reque
         fairness_weight=terms.fairness_weight,
         service_tier=service_tier,
     )
-    replica = await route(resources, principal, target, body)
-    if replica is None:
+    choice = await route(resources, principal, target, body)
+    if choice is None:
         raise ApiError(
             503, f"No engine serves '{target.base_model.name}' right now; retry shortly.", code="engine_unavailable"
         )
@@ -110,12 +110,13 @@ async def _prepare(resources: Resources, principal: TenantPrincipal, body: Reque
         principal=principal,
         target=target,
         body=body,
-        replica=replica,
+        replica=choice.replica,
         engine_body=sent,
         path=path,
         service_tier=service_tier,
+        warm_peer=choice.warm_peer,
     )
-    return _Prepared(principal, call, terms, estimate_tokens(body, replica.max_model_len))
+    return _Prepared(principal, call, terms, estimate_tokens(body, choice.replica.max_model_len))
 
 
 async def _start(

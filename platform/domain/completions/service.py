@@ -28,7 +28,7 @@ from loraplex.platform.domain.fleet.client import (
     EngineUnavailable,
     EngineUnreachable,
 )
-from loraplex.platform.domain.fleet.registry import Replica
+from loraplex.platform.domain.fleet.registry import Choice, Replica
 from loraplex.platform.domain.usage.recorder import UsageEvent
 from loraplex.platform.errors import RETRY_AFTER_S, ApiError, invalid_request
 from loraplex.platform.resources import Resources
@@ -90,6 +90,7 @@ class Call:
     service_tier: ServiceTier  # resolved: what the engine is asked for, the client is told and the usage row says
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     tally: UsageTally = field(default_factory=UsageTally)
+    warm_peer: Replica | None = None  # another replica that may hold the prompt's prefix (Choice.warm_peer)
 
 
 async def resolve(resources: Resources, principal: TenantPrincipal, model: str) -> Target:
@@ -252,27 +253,35 @@ async def route(
     target: Target,
     body: Request,
     exclude: frozenset[str] = frozenset(),
-) -> Replica | None:
+) -> Choice | None:
     """The replica the router picks for this request (decision 0012), never one in `exclude` (ids of replicas it
-    has tried), or None when no other serves its base model."""
+    has tried), with the warm peer it passed over; None when no other serves its base model."""
     digest = target.adapter.digest if target.adapter is not None else None
     affinity = f"{principal.tenant_id}:{body.prompt_cache_key or ''}"
-    return await resources.router.pick(target.base_model.name, digest, affinity, exclude)
+    return await resources.router.choose(target.base_model.name, digest, affinity, exclude)
 
 
-async def prefill_remotely(resources: Resources, call: Call) -> None:
-    """Disaggregated prefill and decode (decision 0043): when the decode replica chosen for this call announced the
-    role "decode" and a prefill replica serves its base model, the prompt is prefilled there first (one token, its
-    KV blocks pinned) and the decode replica is told where to fetch them. Anything that goes wrong here leaves the
-    call as it was: the decode replica computes the prompt itself."""
+async def plan_kv_transfer(resources: Resources, call: Call) -> None:
+    """KV blocks from another engine for this call (decision 0043), where engines take them (an engine API key is
+    set: only the router holding it may direct their fetches):
+    - disaggregated prefill and decode: when the replica chosen announced the role "decode" and a prefill replica
+      serves the base model, the prompt is prefilled there first (one token, its blocks pinned) and the decode
+      replica is told where to fetch them;
+    - otherwise, when balance sent the prompt away from the replica its prefix last went to, the chosen replica is
+      told to fetch what that warm peer has cached of it (a prefix pull, billed as the cache hit it is).
+    Anything that goes wrong leaves the call as it was: the chosen replica computes the prompt itself."""
     body = call.engine_body
-    if call.replica.role != "decode" or body.get("n", 1) != 1 or "kv_transfer_params" in body:
+    if resources.settings.engine_api_key is None or body.get("n", 1) != 1 or "kv_transfer_params" in body:
         return
     if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
         return  # several prompts: one transfer carries one prompt's blocks
     digest = call.target.adapter.digest if call.target.adapter is not None else None
-    prefill = await resources.router.pick_prefill(call.target.base_model.name, digest)
+    prefill = None
+    if call.replica.role == "decode":
+        prefill = await resources.router.pick_prefill(call.target.base_model.name, digest)
     if prefill is None:
+        if call.warm_peer is not None:
+            body["kv_transfer_params"] = {"do_remote_prefill": True, "remote_url": call.warm_peer.url}
         return
     first = {key: value for key, value in body.items() if key not in ("max_completion_tokens", "min_tokens")}
     first |= {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
@@ -302,7 +311,7 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
     shortest Retry-After of those replicas (the soonest one of them expects room). Once an engine has accepted the
     request it stays there: a failure after that ends it, since the engine may have started generating."""
     created = int(time.time())
-    await prefill_remotely(resources, call)
+    await plan_kv_transfer(resources, call)
     tried: set[str] = set()
     overloaded: list[EngineRequestError] = []
     while True:
@@ -323,7 +332,8 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
             tried.add(call.replica.id)
             replica = None
             if len(tried) < MAX_REPLICA_TRIES:
-                replica = await route(resources, call.principal, call.target, call.body, frozenset(tried))
+                choice = await route(resources, call.principal, call.target, call.body, frozenset(tried))
+                replica = choice.replica if choice is not None else None
             if replica is None:
                 if overloaded:
                     resources.metrics.count_overloaded(str(call.principal.tenant_id))

@@ -12,9 +12,11 @@ guards keep those preferences from piling work onto one replica:
 - Residency and warmth only choose among replicas whose load is within BALANCE_SLACK of the least loaded one (as
   SGLang's cache-aware router falls back to the shortest queue when the fleet is out of balance): a hot adapter or a
   busy tenant is served by a second replica rather than queueing behind itself.
+When balance sends a prefix away from the replica it last went to, `choose` names that warm peer: the chosen replica
+may fetch the prefix's KV blocks from it instead of computing them (completions/service.py's `plan_kv_transfer`).
 Disaggregated prefill and decode: a replica announced with role "prefill" gets no whole requests while another
 serves the base model; `pick_prefill` picks among those (adapter resident first, then load) the engine that prefills
-a request's prompt for the decode replica `pick` chose (completions/service.py's `prefill_remotely`).
+a request's prompt for the decode replica `pick` chose (completions/service.py's `plan_kv_transfer`).
 A replica that refused a connection is left out of routing for UNREACHABLE_S (a crashed engine's key lives on for up
 to its TTL); if every replica of the base model is left out, they are tried anyway. With a single candidate there is
 nothing to choose: the affinity is neither read nor written (a round trip to Redis saved per request), so the first
@@ -29,6 +31,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from redis.exceptions import RedisError
@@ -167,6 +170,15 @@ class LocalFleet:
         await self.engine_client.close()
 
 
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A request's replica, and the replica its prefix last went to when that is another one (which may hold the
+    prefix's KV blocks: the chosen replica can fetch them from it instead of computing them)."""
+
+    replica: Replica
+    warm_peer: Replica | None = None
+
+
 class Router:
     """Picks a replica per request (see the module's docstring); one per platform process."""
 
@@ -180,6 +192,13 @@ class Router:
     ) -> Replica | None:
         """The replica for a request (see the module's docstring), never one whose id is in `exclude` (replicas this
         request has already tried); None when no other serves `base_model`."""
+        choice = await self.choose(base_model, adapter_digest, affinity, exclude)
+        return choice.replica if choice is not None else None
+
+    async def choose(
+        self, base_model: str, adapter_digest: str | None, affinity: str | None, exclude: frozenset[str] = frozenset()
+    ) -> Choice | None:
+        """`pick`'s replica, with the warm peer it passed over for balance, if any."""
         replicas = await self.fleet.replicas()
         serving = [r for r in replicas if r.base_model == base_model and r.id not in exclude]
         serving = [r for r in serving if r.role != "prefill"] or serving
@@ -224,7 +243,8 @@ class Router:
         if affinity is not None and chosen.id != warm_id:
             with contextlib.suppress(RedisError, OSError):
                 await self._kv.set(AFFINITY_KEY.format(key=affinity), chosen.id.encode(), ttl_s=AFFINITY_TTL_S)
-        return chosen
+        warm = next((r for r in candidates if r.id == warm_id and r.id != chosen.id), None)
+        return Choice(chosen, warm)
 
     async def pick_prefill(self, base_model: str, adapter_digest: str | None) -> Replica | None:
         """A prefill-role replica for a request's prompt (adapter resident first, then the least loaded, counting
