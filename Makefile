@@ -62,6 +62,7 @@ bench: $(STAMP) native
 	$(BIN)/python benchmarks/quant_throughput.py --rounds 2 --requests 32 --modes float32,bfloat16,int8,int4
 	$(BIN)/python benchmarks/platform_overhead.py $(BENCH_OVERHEAD_ARGS)
 	$(BIN)/python benchmarks/tensor_parallel.py
+	$(BIN)/python benchmarks/kv_transfer.py
 	$(BIN)/python benchmarks/suite.py
 	$(BIN)/python benchmarks/report.py
 

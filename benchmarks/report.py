@@ -259,6 +259,24 @@ def _tensor_parallel_rows(doc: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _kv_transfer_rows(doc: dict[str, Any]) -> list[Row]:
+    longest = max(doc["prefill_decode"], key=lambda r: r["prompt_tokens"])
+    turn = max(doc["chat_turns"], key=lambda r: r["history_tokens"])
+    return [
+        Row(
+            f"decode from a prefill engine's KV / recompute, {num(longest['prompt_tokens'])}-token prompt",
+            f"**{longest['transfer_s'] / longest['recompute_s']:.2f}**",
+            f"{ms(1000 * longest['transfer_s'])} against {ms(1000 * longest['recompute_s'])}",
+        ),
+        Row(
+            f"TTFT of a chat turn that moves replica, prefix pulled / recomputed ({num(turn['history_tokens'])}-token"
+            " history)",
+            f"**{turn['ttft_prefix_pull_s'] / turn['ttft_recompute_s']:.2f}**",
+            f"{ms(1000 * turn['ttft_prefix_pull_s'])} against {ms(1000 * turn['ttft_recompute_s'])}",
+        ),
+    ]
+
+
 HEADLINE: tuple[tuple[str, Callable[[dict[str, Any]], list[Row]]], ...] = (
     ("suite", _suite_rows),
     ("engine_throughput", _engine_rows),
@@ -273,6 +291,7 @@ HEADLINE: tuple[tuple[str, Callable[[dict[str, Any]], list[Row]]], ...] = (
     ("reasoning", _reasoning_rows),
     ("platform_overhead", _platform_rows),
     ("tensor_parallel", _tensor_parallel_rows),
+    ("kv_transfer", _kv_transfer_rows),
 )
 
 
@@ -365,8 +384,9 @@ class Page:
             "## Reproduce",
             "",
             "`make bench` runs the CPU suite (offline throughput, multi-LoRA, quantized weights, platform overhead,"
-            " tensor parallelism, then the serving suite, with fewer repeats than some commands above; about 11"
-            " minutes on 2 cores in its last sitting) and regenerates this page. `make bench-gpu` runs"
+            " tensor parallelism, KV transfer, then the serving suite, with fewer repeats than some commands above)"
+            " and regenerates this page; its last full sitting took 11 minutes on 2 cores, before the tensor-parallel"
+            " and KV-transfer steps (about 2.5 minutes together) were added. `make bench-gpu` runs"
             " scripts/bench_gpu.sh on a machine with a"
             " CUDA GPU, and scripts/bench_tp_gpu.sh times tensor parallelism there. One benchmark alone: the command"
             " beside its figures, then `.venv/bin/python"

@@ -62,6 +62,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "tensor_parallel": Benchmark(
         f"{PYTHON} benchmarks/tensor_parallel.py", "tensor parallelism: bytes moved, step time TP=1 against TP=2"
     ),
+    "kv_transfer": Benchmark(
+        f"{PYTHON} benchmarks/kv_transfer.py", "KV blocks fetched from another engine against recomputed"
+    ),
     "decode_profile": Benchmark(
         f"{PYTHON} benchmarks/decode_profile.py --skip-profile", "the matmul floor of the offline trace"
     ),

@@ -528,6 +528,49 @@ def tensor_parallel(doc: dict[str, Any], results: Results, plots: Plots) -> list
     return lines
 
 
+def kv_transfer(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
+    model = doc["model"]
+    rows = [
+        [
+            num(r["prompt_tokens"]),
+            ms(1000 * r["recompute_s"]),
+            ms(1000 * r["transfer_s"]),
+            ms(1000 * r["fetch_s"]),
+            x(r["recompute_s"] / r["transfer_s"]),
+        ]
+        for r in doc["prefill_decode"]
+    ]
+    lines = [
+        f"Two engine processes of the benchmark model ({model['num_layers']} layers, {model['num_kv_heads']} KV heads"
+        f" of {model['head_dim']}, {model['dtype']}), one thread each, on this machine's loopback. A prompt's K/V is"
+        f" {num(doc['kv_bytes_per_token'])} bytes per token; a fetched body carries"
+        f" {num(doc['prefill_decode'][0]['bytes_per_token'])} (with each block's hash and tokens). Decoding from a"
+        " prefill engine's blocks (fetch, adopt, compute the last block, one token) against computing the prompt,"
+        f" median of {doc['repeats']}:",
+        "",
+    ]
+    lines += table(["prompt tokens", "recompute", "from the prefill's KV", "of which the fetch", "speed-up"], rows)
+    turns = [
+        [
+            num(t["history_tokens"]),
+            ms(1000 * t["ttft_recompute_s"]),
+            ms(1000 * t["ttft_prefix_pull_s"]),
+            x(t["ttft_recompute_s"] / t["ttft_prefix_pull_s"]),
+        ]
+        for t in doc["chat_turns"]
+    ]
+    lines += [
+        "",
+        "A chat turn that moves to another replica (its history's blocks cached on the first, a"
+        f" {doc['chat_turns'][0]['question_tokens']}-token question): time to first token with the history's blocks"
+        " pulled from the first replica, against recomputed:",
+        "",
+    ]
+    lines += table(["history tokens", "TTFT, recompute", "TTFT, prefix pulled", "speed-up"], turns)
+    lines += ["", f"Decision 0043 says how blocks travel and are checked. {writes('kv_transfer')}."]
+    return lines
+
+
 SECTIONS: tuple[Section, ...] = (
     Section("Serving under load", (Part("suite", report_suite.headline), Part("suite", report_suite.rate))),
     Section("Offline throughput", (Part("engine_throughput", engine),)),
@@ -541,4 +584,5 @@ SECTIONS: tuple[Section, ...] = (
     Section("Reasoning effort tiers", (Part("reasoning", reasoning),)),
     Section("What the platform adds per request", (Part("platform_overhead", platform_overhead),)),
     Section("Tensor parallelism", (Part("tensor_parallel", tensor_parallel),)),
+    Section("KV transfer between engines", (Part("kv_transfer", kv_transfer),)),
 )
