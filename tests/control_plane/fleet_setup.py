@@ -18,20 +18,41 @@ import httpx
 import openai
 from _support import services
 from _support.adapters import make_peft_adapter
-from _support.services import S3Server
+from _support.services import PostgresServer, RedisServer, S3Server
 from _support.waiting import poll
 from litestar import Litestar
 
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
+from loraplex.platform.app import create_app
 from loraplex.platform.domain.fleet.registry import Router
 from loraplex.platform.settings import Settings
 
-from .conftest import ADMIN_TOKEN, bearer
+from .conftest import ADMIN_TOKEN, bearer, module_settings_sync, serving
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 # The engines' --api-key (from LORAPLEX_ENGINE_API_KEY, as compose.yaml gives it), which the platform sends.
 ENGINE_KEY = "engine-key-for-fleet-tests-0123"
 ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
+
+
+@contextlib.contextmanager
+def fleet_settings(
+    data_dir: Path, postgres: PostgresServer, redis: RedisServer, s3: S3Server, session_tag: str
+) -> Iterator[Settings]:
+    """Fleet-mode settings on a database, Redis prefix and bucket of their own (removed after), with the engines'
+    API key, and rate limits and concurrency caps out of the way (test_ratelimit.py's and test_concurrency.py's)."""
+    with module_settings_sync(
+        data_dir,
+        postgres,
+        redis,
+        s3,
+        session_tag,
+        engine_mode="fleet",
+        engine_api_key=ENGINE_KEY,
+        default_requests_per_minute=100_000,
+        default_max_concurrent_requests=1000,
+    ) as value:
+        yield value
 
 
 def free_ports(count: int) -> list[int]:
@@ -135,6 +156,19 @@ class Platform:
         body = response.json()
         assert body["object"] == "list"
         return {replica["id"]: replica for replica in body["data"]}
+
+
+@contextlib.contextmanager
+def platform_app(settings: Settings, checkpoint: Path, base_model: str) -> Iterator[Platform]:
+    """The platform app on uvicorn (lifespan included) in a thread with its own event loop; `base_model` registered
+    with `checkpoint` as its source."""
+    (port,) = free_ports(1)
+    app = create_app(settings)
+    with serving(app, port=port, start_timeout_s=60) as url:
+        value = Platform(url, app)
+        response = value.post("/admin/base-models", ADMIN, json={"name": base_model, "source": str(checkpoint)})
+        assert response.status_code == 201, response.text
+        yield value
 
 
 @dataclass(frozen=True)

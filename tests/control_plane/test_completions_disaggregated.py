@@ -15,20 +15,17 @@ import pytest
 from _support.services import PostgresServer, RedisServer, S3Server
 from _support.waiting import poll
 
-from loraplex.platform.app import create_app
 from loraplex.platform.settings import Settings
 
-from .conftest import module_settings_sync, serving
 from .fleet_setup import (
-    ADMIN,
     ENGINE_AUTH,
-    ENGINE_KEY,
     EngineProcess,
     Platform,
     Tenant,
     engine_process,
-    free_ports,
+    fleet_settings,
     make_tenant,
+    platform_app,
 )
 
 pytestmark = pytest.mark.integration
@@ -47,16 +44,8 @@ def settings(
     s3_server: S3Server,
     session_tag: str,
 ) -> Iterator[Settings]:
-    with module_settings_sync(
-        tmp_path_factory.mktemp("data"),
-        postgres_server,
-        redis_server,
-        s3_server,
-        session_tag,
-        engine_mode="fleet",
-        engine_api_key=ENGINE_KEY,
-        default_requests_per_minute=100_000,
-        default_max_concurrent_requests=1000,
+    with fleet_settings(
+        tmp_path_factory.mktemp("data"), postgres_server, redis_server, s3_server, session_tag
     ) as value:
         yield value
 
@@ -81,12 +70,7 @@ def engines(
 
 @pytest.fixture(scope="module")
 def platform(settings: Settings, tiny_base_checkpoint: Path) -> Iterator[Platform]:
-    (port,) = free_ports(1)
-    app = create_app(settings)
-    with serving(app, port=port, start_timeout_s=60) as url:
-        value = Platform(url, app)
-        response = value.post("/admin/base-models", ADMIN, json={"name": BASE, "source": str(tiny_base_checkpoint)})
-        assert response.status_code == 201, response.text
+    with platform_app(settings, tiny_base_checkpoint, BASE) as value:
         yield value
 
 

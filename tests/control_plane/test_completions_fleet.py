@@ -35,7 +35,6 @@ from _support.waiting import poll
 from openai.types.chat import ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.platform.app import create_app
 from loraplex.platform.domain.fleet.client import (
     EngineClient,
     EngineRequestError,
@@ -46,17 +45,18 @@ from loraplex.platform.domain.fleet.registry import AFFINITY_KEY, BALANCE_SLACK,
 from loraplex.platform.kv import RedisStore
 from loraplex.platform.settings import Settings
 
-from .conftest import bearer, module_settings_sync, serving
+from .conftest import bearer
 from .fleet_setup import (
     ADMIN,
     ENGINE_AUTH,
-    ENGINE_KEY,
     EngineProcess,
     Platform,
     Tenant,
     engine_process,
+    fleet_settings,
     free_ports,
     make_tenant,
+    platform_app,
 )
 
 pytestmark = pytest.mark.integration
@@ -83,17 +83,8 @@ def settings(
     s3_server: S3Server,
     session_tag: str,
 ) -> Iterator[Settings]:
-    """Fleet-mode settings on a database, Redis prefix and bucket of this module's own, removed after it."""
-    with module_settings_sync(
-        tmp_path_factory.mktemp("data"),
-        postgres_server,
-        redis_server,
-        s3_server,
-        session_tag,
-        engine_mode="fleet",
-        engine_api_key=ENGINE_KEY,
-        default_requests_per_minute=100_000,  # rate limits are test_ratelimit.py's; bursts here must pass
-        default_max_concurrent_requests=1000,  # and concurrency caps test_concurrency.py's
+    with fleet_settings(
+        tmp_path_factory.mktemp("data"), postgres_server, redis_server, s3_server, session_tag
     ) as value:
         yield value
 
@@ -116,13 +107,7 @@ def engine(
 
 @pytest.fixture(scope="module")
 def platform(settings: Settings, tiny_base_checkpoint: Path) -> Iterator[Platform]:
-    """The platform app on uvicorn (lifespan included) in a thread with its own event loop; BASE registered."""
-    (port,) = free_ports(1)
-    app = create_app(settings)
-    with serving(app, port=port, start_timeout_s=60) as url:
-        value = Platform(url, app)
-        response = value.post("/admin/base-models", ADMIN, json={"name": BASE, "source": str(tiny_base_checkpoint)})
-        assert response.status_code == 201, response.text
+    with platform_app(settings, tiny_base_checkpoint, BASE) as value:
         yield value
 
 
