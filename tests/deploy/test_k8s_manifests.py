@@ -31,6 +31,7 @@ from _support.kustomize import CLUSTER_SCOPED, KustomizeError, Manifest, build
 from click.testing import CliRunner
 from kubernetes_validate.utils import latest_version
 from litestar import Litestar
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.core.config import EngineConfig
@@ -63,13 +64,32 @@ EPP_PLUGIN_TYPES = {
     "queue-scorer",
     "lora-affinity-scorer",
 }
-# The EPP's metric flags, each with its default (vLLM's names): what it reads from each engine's /metrics, where an
-# empty value switches a metric off.
-EPP_METRIC_FLAGS = {
-    "--total-queued-requests-metric": "vllm:num_requests_waiting",
-    "--kv-cache-usage-percentage-metric": "vllm:kv_cache_usage_perc",
-    "--lora-info-metric": "vllm:lora_requests_info",
-}
+
+
+@dataclass(frozen=True)
+class PickerMetric:
+    """A metric the EPP reads from each engine's /metrics (a gauge), and the scorer that routes by it."""
+
+    flag: str  # names the metric; an empty value switches it off
+    default: str  # v1.0's name when the flag is not given
+    scorer: str  # the plugin type that scores engines by it
+    labels: frozenset[str] = frozenset()  # labels whose values the picker parses
+
+
+# The pinned EPP's (v1.0) metric flags (cmd/epp/runner/runner.go) and their defaults (pkg/epp/server/runserver.go):
+# vLLM's names of the time, so the KV-cache one is vllm:gpu_cache_usage_perc, which vLLM has since deprecated for
+# vllm:kv_cache_usage_perc (the extension's default from a later release on). The LoRA labels are the model-server
+# protocol's (pkg/epp/backend/metrics/metrics.go).
+EPP_METRICS = (
+    PickerMetric("--total-queued-requests-metric", "vllm:num_requests_waiting", "queue-scorer"),
+    PickerMetric("--kv-cache-usage-percentage-metric", "vllm:gpu_cache_usage_perc", "kv-cache-utilization-scorer"),
+    PickerMetric(
+        "--lora-info-metric",
+        "vllm:lora_requests_info",
+        "lora-affinity-scorer",
+        frozenset({"running_lora_adapters", "waiting_lora_adapters", "max_lora"}),
+    ),
+)
 # Values Kubernetes gives the downward API's fields, for expanding $(NAME) in arguments.
 FIELD_VALUES = {"metadata.name": "engine-loraplex-demo-7d9f-x2k4q", "status.podIP": "10.1.2.3"}
 _VARIABLE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
@@ -257,11 +277,17 @@ class EngineServer:
 
 
 @pytest.fixture(scope="module")
-def engine_metrics(engine_server: EngineServer) -> dict[str, str]:
-    """Metric family name -> type, as the engine server exports them on /metrics."""
+def engine_families(engine_server: EngineServer) -> dict[str, Metric]:
+    """Metric family name -> family (type and samples), as the engine server exports them on /metrics."""
     response = engine_server.client.get("/metrics")
     assert response.status_code == 200
-    return {family.name: family.type for family in text_string_to_metric_families(response.text)}
+    return {family.name: family for family in text_string_to_metric_families(response.text)}
+
+
+@pytest.fixture(scope="module")
+def engine_metrics(engine_families: dict[str, Metric]) -> dict[str, str]:
+    """Metric family name -> type, as the engine server exports them on /metrics."""
+    return {name: family.type for name, family in engine_families.items()}
 
 
 def get_routes(app: Litestar) -> set[str]:
@@ -324,10 +350,33 @@ class TestSchemas:
     def test_endpoint_picker_config_is_one_the_picker_reads(self) -> None:
         config = epp_config(everything())
         jsonschema.Draft202012Validator(schema("endpointpickerconfig-v1alpha1.json")).validate(config)
-        names = {plugin.get("name", plugin["type"]) for plugin in config["plugins"]}
-        assert {plugin["type"] for plugin in config["plugins"]} <= EPP_PLUGIN_TYPES
-        refs = {ref["pluginRef"] for profile in config["schedulingProfiles"] for ref in profile["plugins"]}
-        assert refs <= names, refs - names
+        assert picker_config_problems(config) == []
+
+    def test_an_unknown_or_undeclared_plugin_is_caught(self) -> None:
+        config = epp_config(everything())
+        # llm-d's scheduler calls its KV scorer kv-cache-scorer; v1.0 would refuse to start with it.
+        config["plugins"] = [
+            plugin | {"type": "kv-cache-scorer"} if plugin["type"] == "kv-cache-utilization-scorer" else plugin
+            for plugin in config["plugins"]
+        ]
+        config["schedulingProfiles"][0]["plugins"].append({"pluginRef": "lora-affinity-scorer-2"})
+        problems = picker_config_problems(config)
+        assert any("kv-cache-scorer" in problem for problem in problems), problems
+        assert any("lora-affinity-scorer-2" in problem for problem in problems), problems
+
+
+def picker_config_problems(config: Mapping[str, Any]) -> list[str]:
+    """Why the EPP v1.0 would refuse an EndpointPickerConfig: a plugin type it does not register, two plugins of one
+    name, or a profile naming a plugin the config does not declare."""
+    types = [plugin["type"] for plugin in config["plugins"]]
+    problems = [f"plugin type {type_} is not one v1.0 registers" for type_ in types if type_ not in EPP_PLUGIN_TYPES]
+    names = [plugin.get("name", plugin["type"]) for plugin in config["plugins"]]
+    problems += [f"two plugins are named {name}" for name in sorted(set(names)) if names.count(name) > 1]
+    for profile in config["schedulingProfiles"]:
+        for ref in profile["plugins"]:
+            if ref["pluginRef"] not in names:
+                problems.append(f"profile {profile['name']}: no plugin is named {ref['pluginRef']}")
+    return problems
 
 
 @functools.cache
@@ -676,10 +725,60 @@ class TestInferencePool:
             pool["metadata"]["namespace"]
         ]
 
-    def test_picker_reads_metrics_the_engines_export(self, engine_metrics: dict[str, str]) -> None:
-        container = container_of(everything(), "loraplex-demo-epp", "epp")
-        args = container["args"]
-        assert option(args, "--total-queued-requests-metric"), "the queue is what the picker must read"
-        for flag, default in EPP_METRIC_FLAGS.items():
-            metric = option(args, flag) if flag in args else default
-            assert metric == "" or metric in engine_metrics, f"{flag}: the engines export no {metric}"
+    def test_picker_reads_metrics_the_engines_export(self, engine_families: dict[str, Metric]) -> None:
+        args = container_of(everything(), "loraplex-demo-epp", "epp")["args"]
+        assert picker_metric_problems(args, engine_families) == []
+
+    def test_a_metric_the_engines_do_not_export_is_caught(self, engine_families: dict[str, Metric]) -> None:
+        args = container_of(everything(), "loraplex-demo-epp", "epp")["args"]
+        kv_flag = "--kv-cache-usage-percentage-metric"
+        # Without its flag the KV-cache metric is v1.0's default, vLLM's deprecated name, which the engines lack.
+        at = args.index(kv_flag)
+        without_kv_flag = args[:at] + args[at + 2 :]
+        assert picker_metric_problems(without_kv_flag, engine_families) == [
+            f"{kv_flag}: the engines export no gauge vllm:gpu_cache_usage_perc"
+        ]
+        misspelled = [*args, "--lora-info-metric", "vllm:lora_request_info"]
+        assert picker_metric_problems(misspelled, engine_families) == [
+            "--lora-info-metric: the engines export no gauge vllm:lora_request_info"
+        ]
+        switched_off = [*args, "--total-queued-requests-metric", ""]
+        assert picker_metric_problems(switched_off, engine_families) == [
+            "--total-queued-requests-metric: switched off, so queue-scorer has nothing to score by"
+        ]
+        # An exported gauge is not enough for the LoRA info: the picker reads the adapters from its labels.
+        unlabelled = [*args, "--lora-info-metric", "vllm:num_requests_waiting"]
+        assert picker_metric_problems(unlabelled, engine_families) == [
+            "--lora-info-metric: vllm:num_requests_waiting has no label max_lora, running_lora_adapters, "
+            "waiting_lora_adapters"
+        ]
+
+    def test_profile_scores_by_every_metric_the_engines_give(self) -> None:
+        # Each scorer of the default profile counts (weight > 0), and the queue, KV-cache, LoRA and prefix scorers
+        # are all there: the routing a picker configured for vLLM does.
+        config = epp_config(everything())
+        types = {plugin.get("name", plugin["type"]): plugin["type"] for plugin in config["plugins"]}
+        (profile,) = [p for p in config["schedulingProfiles"] if p["name"] == "default"]
+        scorers = {types[ref["pluginRef"]]: ref.get("weight", 1) for ref in profile["plugins"]}
+        assert {metric.scorer for metric in EPP_METRICS} | {"prefix-cache-scorer"} <= set(scorers)
+        assert all(scorers[name] > 0 for name in scorers if name.endswith("-scorer")), scorers
+
+
+def picker_metric_problems(args: list[str], families: Mapping[str, Metric]) -> list[str]:
+    """What the EPP, run with these arguments, would fail to read from an engine exporting `families`: a metric
+    switched off (its scorer would see every engine alike), a name that is not an exported gauge, or labels it parses
+    that the series lack. A flag given twice counts as its last value, as Go's flag package reads it."""
+    problems = []
+    for metric in EPP_METRICS:
+        given = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == metric.flag]
+        name = given[-1] if given else metric.default
+        family = families.get(name)
+        if not name:
+            problems.append(f"{metric.flag}: switched off, so {metric.scorer} has nothing to score by")
+        elif family is None or family.type != "gauge":
+            problems.append(f"{metric.flag}: the engines export no gauge {name}")
+        else:
+            missing = metric.labels - {label for sample in family.samples for label in sample.labels}
+            if missing:
+                problems.append(f"{metric.flag}: {name} has no label {', '.join(sorted(missing))}")
+    return problems
