@@ -8,7 +8,8 @@ are read from the engine's latest state snapshot when scraped, so they can never
 Beside loraplex's own names, `VllmMetrics` adds vLLM's, with vLLM's types, labels and bucket edges, so that an
 endpoint picker of the Gateway API Inference Extension configured for vLLM (its model-server protocol, proposal 003),
 and dashboards written for vLLM, read this server unchanged (decision 0042): the gauges `vllm:num_requests_running`,
-`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction, 0 to 1) and `vllm:lora_requests_info`, and the
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction, 0 to 1; also as `vllm:gpu_cache_usage_perc`, its
+deprecated name, which endpoint pickers up to v1.0 read by default) and `vllm:lora_requests_info`, and the
 histograms `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`, `vllm:request_queue_time_seconds`
 and `vllm:e2e_request_latency_seconds`, each labelled `model_name` (the served model name, adapters' requests too).
 """
@@ -387,7 +388,14 @@ class _VllmStateCollector(Collector):
             labels=["model_name"],
         )
         usage.add_metric(model, _kv_cache_usage(state.pool))
-        yield from (running, waiting, usage)
+        # vLLM's deprecated name of the same gauge, which endpoint pickers up to v1.0 read by default.
+        legacy_usage = GaugeMetricFamily(
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage (the same as vllm:kv_cache_usage_perc).",
+            labels=["model_name"],
+        )
+        legacy_usage.add_metric(model, _kv_cache_usage(state.pool))
+        yield from (running, waiting, usage, legacy_usage)
         # vLLM's shape: the value is when the lists were read (the picker takes the series with the latest), the
         # lists are label values. Each list holds at most max_lora names: that bounds the label values and leaves the
         # picker's test "room for one more adapter" (running and waiting names listed < max_lora) answered as the

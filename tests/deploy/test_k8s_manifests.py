@@ -732,11 +732,14 @@ class TestInferencePool:
     def test_a_metric_the_engines_do_not_export_is_caught(self, engine_families: dict[str, Metric]) -> None:
         args = container_of(everything(), "loraplex-demo-epp", "epp")["args"]
         kv_flag = "--kv-cache-usage-percentage-metric"
-        # Without its flag the KV-cache metric is v1.0's default, vLLM's deprecated name, which the engines lack.
+        # Without its flag the KV-cache metric is v1.0's default, vLLM's deprecated name, which the engines export
+        # too; a name they do not export is caught.
         at = args.index(kv_flag)
         without_kv_flag = args[:at] + args[at + 2 :]
-        assert picker_metric_problems(without_kv_flag, engine_families) == [
-            f"{kv_flag}: the engines export no gauge vllm:gpu_cache_usage_perc"
+        assert picker_metric_problems(without_kv_flag, engine_families) == []
+        wrong_kv = [*without_kv_flag, kv_flag, "vllm:gpu_cache_usage_percent"]
+        assert picker_metric_problems(wrong_kv, engine_families) == [
+            f"{kv_flag}: the engines export no gauge vllm:gpu_cache_usage_percent"
         ]
         misspelled = [*args, "--lora-info-metric", "vllm:lora_request_info"]
         assert picker_metric_problems(misspelled, engine_families) == [

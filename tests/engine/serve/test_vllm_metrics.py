@@ -42,7 +42,12 @@ MAX_LORAS = 4
 MAX_ADAPTERS_PER_BATCH = 2  # the lower of the two is how many adapters can run at once: vLLM's max_lora
 NO_EOS: dict[str, Any] = {"ignore_eos": True, "temperature": 0}
 
-GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+GAUGES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+)
 LORA_INFO = "vllm:lora_requests_info"
 # Each histogram with the bucket edges vLLM gives it (vllm/v1/metrics/loggers.py), +Inf last.
 REQUEST_EDGES = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
@@ -284,6 +289,7 @@ def test_adapter_lists_hold_at_most_max_lora_names_and_never_split_a_name() -> N
     registry = CollectorRegistry(auto_describe=True)
     VllmMetrics(registry, lambda: state, model_name=MODEL, max_lora=2)
     assert registry.get_sample_value("vllm:kv_cache_usage_perc", {"model_name": MODEL}) == pytest.approx(0.4)
+    assert registry.get_sample_value("vllm:gpu_cache_usage_perc", {"model_name": MODEL}) == pytest.approx(0.4)
     lora = next(m for m in registry.collect() if m.name == LORA_INFO)
     labels, _ = _only_sample(lora)
     # Sorted; a name with a comma would read as two names, so it is left out; the first max_lora names in queue order.
