@@ -385,8 +385,8 @@ class Page:
             "",
             "`make bench` runs the CPU suite (offline throughput, multi-LoRA, quantized weights, platform overhead,"
             " tensor parallelism, KV transfer, then the serving suite, with fewer repeats than some commands above)"
-            " and regenerates this page; its last full sitting took 11 minutes on 2 cores, before the tensor-parallel"
-            " and KV-transfer steps (about 2.5 minutes together) were added. `make bench-gpu` runs"
+            " and regenerates this page; its last sitting took 14 minutes on 2 cores (Intel Xeon, 2026-12-05)."
+            " `make bench-gpu` runs"
             " scripts/bench_gpu.sh on a machine with a"
             " CUDA GPU, and scripts/bench_tp_gpu.sh times tensor parallelism there. One benchmark alone: the command"
             " beside its figures, then `.venv/bin/python"
