@@ -13,10 +13,11 @@ The group is also the adapter manager's `AdapterMirror`: slot-table changes wait
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import json
 import logging
 import os
-import pickle
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -29,8 +30,18 @@ import torch.multiprocessing as mp
 from loraplex.engine.errors import WorkerFailed
 from loraplex.engine.lora.layout import AdapterLayout
 from loraplex.engine.memory.page_pool import PageId
+from loraplex.engine.model.quantization import QuantizationName
 from loraplex.engine.parallel.comm import ProcessGroupCommunicator, TCPStore, connect
-from loraplex.engine.parallel.step import AdapterEvent, AdapterEvicted, AdapterPlaced, HostBatch, StepMessage
+from loraplex.engine.parallel.step import (
+    AdapterEvent,
+    AdapterEvicted,
+    AdapterPlaced,
+    HostBatch,
+    StepMessage,
+    encode_step,
+    receive_control,
+    send_control,
+)
 from loraplex.engine.parallel.worker import WorkerInit, run_worker
 
 logger = logging.getLogger(__name__)
@@ -73,8 +84,13 @@ class TensorParallelGroup:
         self._processes: list[BaseProcess] = []
         for init in inits:
             ours, theirs = context.Pipe()
+            # The settings go as JSON text: nothing a worker reads from rank 0 is unpickled (the pipe end itself is
+            # handed over by multiprocessing's own reduction, as any spawned process's is).
             process = context.Process(
-                target=run_worker, args=(init, theirs), name=f"loraplex-tp-{init.rank}", daemon=True
+                target=run_worker,
+                args=(json.dumps(dataclasses.asdict(init)), theirs),
+                name=f"loraplex-tp-{init.rank}",
+                daemon=True,
             )
             process.start()
             theirs.close()
@@ -89,7 +105,7 @@ class TensorParallelGroup:
         model: str,
         dtype: torch.dtype,
         device: torch.device,
-        quantization: Any,
+        quantization: QuantizationName | None,
         max_positions: int,
         block_size: int,
         num_threads: int | None,
@@ -135,7 +151,7 @@ class TensorParallelGroup:
     def connect(self, num_pages: int) -> None:
         """Give the workers the pool's size, join the group with them, and wait until they are ready."""
         for conn in self._conns:
-            conn.send(("connect", num_pages))
+            send_control(conn, "connect", num_pages)
         self.comm.bind(
             connect(
                 host="127.0.0.1",
@@ -157,7 +173,7 @@ class TensorParallelGroup:
             if not process.is_alive():
                 raise WorkerFailed(f"tensor-parallel rank {rank} exited (code {process.exitcode}) while starting")
         try:
-            kind, value = conn.recv()
+            kind, value = receive_control(conn)
         except EOFError:
             raise WorkerFailed(f"tensor-parallel rank {rank} exited while starting") from None
         if kind == "error":
@@ -174,12 +190,12 @@ class TensorParallelGroup:
         pending, self._pending = self._pending, [[] for _ in self._conns]
         try:
             if not any(pending):
-                payload = pickle.dumps(StepMessage(batch), protocol=pickle.HIGHEST_PROTOCOL)
+                payload = encode_step(StepMessage(batch))
                 for conn in self._conns:
                     conn.send_bytes(payload)
                 return
             for conn, events in zip(self._conns, pending, strict=True):
-                conn.send_bytes(pickle.dumps(StepMessage(batch, events), protocol=pickle.HIGHEST_PROTOCOL))
+                conn.send_bytes(encode_step(StepMessage(batch, events)))
         except OSError as exc:  # a worker's end of the pipe is gone
             raise WorkerFailed(f"a tensor-parallel rank is gone: {exc}") from exc
 

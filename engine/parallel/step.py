@@ -1,17 +1,26 @@
-"""What rank 0 sends the other ranks for each forward: the step's host batch (`HostBatch`) and the changes to the
-adapter slot table since the last one. Plain data, pickled once per step and sent to every worker."""
+"""What rank 0 sends the other ranks: for each forward the step's host batch (`HostBatch`) and the changes to the
+adapter slot table since the last one (`StepMessage`), and the start-up handshake's control messages.
+
+On the wire nothing is pickled: a step is a JSON header (the batch's integers, each event's slot, pages and layout)
+followed by a safetensors body of the placed adapters' packed layers (`encode_step` / `decode_step`); a control
+message is one JSON array `[kind, value]` (`send_control` / `receive_control`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load, save
 
 from loraplex.engine.lora.batch import LoraBatch, LoraCompute, LoraStep
-from loraplex.engine.lora.layout import AdapterLayout
+from loraplex.engine.lora.layout import AdapterLayout, GroupPlacement, LayerLayout, ModulePlacement
 from loraplex.engine.memory.page_pool import PageId, kv_rows
 from loraplex.engine.model.forward_batch import ForwardBatch, build_forward_batch
 
@@ -67,3 +76,82 @@ class StepMessage:
 
     batch: HostBatch
     adapter_events: list[AdapterEvent] = field(default_factory=list)
+
+
+_HEADER_BYTES = 8
+
+
+def encode_step(message: StepMessage) -> bytes:
+    batch = message.batch
+    tensors: dict[str, torch.Tensor] = {}
+    events: list[dict[str, Any]] = []
+    for index, event in enumerate(message.adapter_events):
+        if isinstance(event, AdapterPlaced):
+            events.append(
+                {"placed": event.slot, "pages": list(event.pages), "layout": dataclasses.asdict(event.layout)}
+            )
+            tensors |= {f"{index}.{layer}": packed.contiguous() for layer, packed in enumerate(event.layers)}
+        else:
+            events.append({"evicted": event.slot})
+    header = {
+        "input_ids": batch.input_ids,
+        "starts": batch.starts.tolist(),
+        "query_lens": batch.query_lens.tolist(),
+        "block_ids": [list(ids) for ids in batch.block_ids],
+        "logits_widths": batch.logits_widths.tolist(),
+        "adapter_slots": batch.adapter_slots,
+        "events": events,
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return len(raw).to_bytes(_HEADER_BYTES, "little") + raw + (save(tensors) if tensors else b"")
+
+
+def decode_step(data: bytes) -> StepMessage:
+    length = int.from_bytes(data[:_HEADER_BYTES], "little")
+    header = json.loads(data[_HEADER_BYTES : _HEADER_BYTES + length])
+    body = data[_HEADER_BYTES + length :]
+    tensors = load(body) if body else {}
+    events: list[AdapterEvent] = []
+    for index, event in enumerate(header["events"]):
+        if "evicted" in event:
+            events.append(AdapterEvicted(event["evicted"]))
+            continue
+        layout = _layout(event["layout"])
+        layers = [tensors[f"{index}.{layer}"] for layer in range(len(layout.layers))]
+        events.append(AdapterPlaced(event["placed"], [PageId(p) for p in event["pages"]], layout, layers))
+
+    def array(name: str) -> np.ndarray:
+        return np.asarray(header[name], dtype=np.int64)
+
+    batch = HostBatch(
+        header["input_ids"],
+        array("starts"),
+        array("query_lens"),
+        header["block_ids"],
+        array("logits_widths"),
+        header["adapter_slots"],
+    )
+    return StepMessage(batch, events)
+
+
+def _layout(raw: dict[str, Any]) -> AdapterLayout:
+    """An AdapterLayout from its `dataclasses.asdict` form."""
+
+    def group(g: dict[str, Any]) -> GroupPlacement:
+        modules = tuple(ModulePlacement(**m) for m in g["modules"])
+        return GroupPlacement(g["group"], g["a_offset"], g["rank"], g["in_features"], modules)
+
+    layers = tuple(
+        LayerLayout({name: group(g) for name, g in layer["groups"].items()}, layer["num_elems"])
+        for layer in raw["layers"]
+    )
+    return AdapterLayout(layers, raw["num_pages"])
+
+
+def send_control(conn: Connection, kind: str, value: int | str | None = None) -> None:
+    conn.send_bytes(json.dumps([kind, value]).encode())
+
+
+def receive_control(conn: Connection) -> tuple[str, Any]:
+    kind, value = json.loads(conn.recv_bytes())
+    return str(kind), value

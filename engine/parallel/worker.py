@@ -5,20 +5,20 @@ other ranks in the forward's collectives. It keeps no books of its own: which pa
 adapter sits in which slot are rank 0's decisions, carried by the messages (the step's HostBatch, the slot-table
 changes), so its pool holds its heads' K/V and its shard of each adapter at the same page ids as rank 0's.
 
-Conversation with rank 0 over one pipe:
-    worker -> ("loaded", weight_bytes) | ("error", message)        after loading its shard
-    rank 0 -> ("connect", num_pages)                                 every rank loaded: join the group
-    worker -> ("ready", None) | ("error", message)
-    rank 0 -> pickled StepMessage, one per forward; b"" to stop
+Conversation with rank 0 over one pipe (step.py's encodings; nothing is unpickled):
+    worker -> ["loaded", weight_bytes] | ["error", message]        after loading its shard
+    rank 0 -> ["connect", num_pages]                                 every rank loaded: join the group
+    worker -> ["ready", null] | ["error", message]
+    rank 0 -> an encoded StepMessage, one per forward; b"" to stop
 A worker exits when rank 0 says stop, when the pipe closes, when its parent process is gone, or on any error (rank 0
 then sees its collectives fail and its process end).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
 import sys
 import threading
 import time
@@ -39,7 +39,14 @@ from loraplex.engine.model.quantization import QuantizationName
 from loraplex.engine.model.tensor_parallel import ShardPlan
 from loraplex.engine.model.weights import CheckpointTensors
 from loraplex.engine.parallel.comm import ProcessGroupCommunicator, connect
-from loraplex.engine.parallel.step import AdapterEvent, AdapterPlaced, StepMessage
+from loraplex.engine.parallel.step import (
+    AdapterEvent,
+    AdapterPlaced,
+    StepMessage,
+    decode_step,
+    receive_control,
+    send_control,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +120,9 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="loraplex-tp-parent", daemon=True).start()
 
 
-def run_worker(init: WorkerInit, conn: Connection) -> None:
-    """The worker process's entry point."""
+def run_worker(settings: str, conn: Connection) -> None:
+    """The worker process's entry point; `settings` is a WorkerInit as JSON."""
+    init = WorkerInit(**json.loads(settings))
     logging.basicConfig(
         level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp-rank-{init.rank} %(name)s: %(message)s"
     )
@@ -123,7 +131,7 @@ def run_worker(init: WorkerInit, conn: Connection) -> None:
         shard = _Shard.start(init, conn)
     except Exception as exc:
         logger.exception("rank %d failed to start", init.rank)
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        send_control(conn, "error", f"{type(exc).__name__}: {exc}")
         sys.exit(1)
     while True:
         try:
@@ -133,7 +141,7 @@ def run_worker(init: WorkerInit, conn: Connection) -> None:
         if not payload:
             return
         try:
-            shard.run(pickle.loads(payload))  # noqa: S301 (the sender is rank 0, this process's parent)
+            shard.run(decode_step(payload))
         except Exception:
             logger.exception("rank %d failed in a forward", init.rank)
             sys.exit(1)
@@ -170,8 +178,8 @@ class _Shard:
             comm=comm,
         )
         model.load(CheckpointTensors(path))
-        conn.send(("loaded", model.weight_bytes()))
-        kind, num_pages = conn.recv()
+        send_control(conn, "loaded", model.weight_bytes())
+        kind, num_pages = receive_control(conn)
         if kind != "connect":
             raise RuntimeError(f"rank 0 sent {kind!r} where it should have sent the pool's size")
         comm.bind(
@@ -194,7 +202,7 @@ class _Shard:
         )
         kv_caches = pool.kv_layers(local.num_layers, local.num_kv_heads, init.block_size, local.head_dim)
         adapters = AdapterReplica(pool, local, init.max_loras)
-        conn.send(("ready", None))
+        send_control(conn, "ready")
         return cls(model, kv_caches, adapters, LoraCompute(adapters, device), init.block_size, device)
 
     def run(self, message: StepMessage) -> None:
