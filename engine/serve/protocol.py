@@ -23,10 +23,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictInt,
     StringConstraints,
     field_validator,
+    model_serializer,
 )
 
 from loraplex.engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
@@ -332,11 +334,23 @@ class _Answer(BaseModel):
     service_tier: str | None = None
 
 
-class CompletionResponse(_Answer):
+class _Transfer(BaseModel):
+    """An answer with vLLM's `kv_transfer_params` (a prefill engine's pinned blocks), left out of the JSON when there
+    are none, so an answer's shape is OpenAI's unless its request asked for a transfer."""
+
+    @model_serializer(mode="wrap")
+    def _without_absent_transfer(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("kv_transfer_params") is None:
+            data.pop("kv_transfer_params", None)
+        return data
+
+
+class CompletionResponse(_Answer, _Transfer):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's pinned blocks (vLLM's field)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # A stream's chunks have the same shape as the response (OpenAI's object is "text_completion" for both).
@@ -479,11 +493,11 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(_Answer):
+class ChatCompletionResponse(_Answer, _Transfer):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
-    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's pinned blocks (vLLM's field)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(WithoutNulls):

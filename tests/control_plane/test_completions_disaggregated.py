@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from _support.services import PostgresServer, RedisServer, S3Server
 from _support.waiting import poll
@@ -161,6 +162,16 @@ def test_the_platform_prefills_on_one_engine_and_decodes_on_the_other(
         else:  # the prefill engine's own cache hit, billed as one engine would bill it
             assert cached is not None and cached > 0
         assert _kv(prefill)["pinned_transfers"] == 0, "the decode engine's fetch releases the prefill's pin"
+
+
+def test_a_tenant_cannot_direct_kv_transfers(platform: Platform, tenant: Tenant) -> None:
+    """Only the platform directs fetches between engines: a tenant's kv_transfer_params is refused, not relayed."""
+    with pytest.raises(openai.BadRequestError, match="kv_transfer_params"):
+        tenant.openai(platform).chat.completions.create(
+            model=ENDPOINT,
+            messages=[{"role": "user", "content": PROMPT}],
+            extra_body={"kv_transfer_params": {"do_remote_prefill": True, "remote_url": "http://169.254.169.254"}},
+        )
 
 
 def test_a_prefill_engine_that_is_gone_costs_a_recompute_not_the_request(
