@@ -65,9 +65,6 @@ BENCHMARKS: dict[str, Benchmark] = {
     "kv_transfer": Benchmark(
         f"{PYTHON} benchmarks/kv_transfer.py", "KV blocks fetched from another engine against recomputed"
     ),
-    "decode_profile": Benchmark(
-        f"{PYTHON} benchmarks/decode_profile.py --skip-profile", "the matmul floor of the offline trace"
-    ),
 }
 
 

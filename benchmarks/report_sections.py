@@ -66,16 +66,6 @@ def engine(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
     if runs:
         lines += ["", f"float32: the best of {len(runs)} alternating runs of each side (all in the results file)."]
     lines += ["", writes("engine_throughput") + ";", writes("engine_throughput_bfloat16") + "."]
-    profile = results.get("decode_profile")
-    if profile is not None and "matmul_floor" in profile:
-        floor = profile["matmul_floor"]
-        lines += [
-            "",
-            f"The engine's projections and lm_head alone, timed at every step's row counts, take {floor['seconds']:.1f}"
-            f" s of this trace ({num(floor['tokens_per_s'])} tok/s if all else were free): on this CPU the matmuls"
-            f" at decode's small row counts allow at most {floor['ceiling_fraction']:.2f} of the compute limit"
-            f" ({writes('decode_profile')}).",
-        ]
     return lines
 
 
@@ -440,23 +430,16 @@ def platform_overhead(doc: dict[str, Any], results: Results, plots: Plots) -> li
     header = ["setup", "platform p50", "engine p50", "added"]
     header += ["platform's own work p50 (in its app, less the engine call)"] if own_work else []
     lines += table(header, rows)
-    # Every step any setup timed, in the order of PLATFORM_STEPS (a request's order), then any other.
-    timed = {step for setup in setups.values() for step in setup["steps_p50_ms"]} - {PLATFORM_WHOLE}
-    steps = [step for step in PLATFORM_STEPS if step in timed] + sorted(timed - set(PLATFORM_STEPS))
-    lines += ["", "Each step of the same requests, p50 ms:", ""]
-    lines += table(
-        ["step", *(SETUP_WORDS.get(name, name) for name in setups)],
-        [
-            [
-                PLATFORM_STEPS.get(step, step),
-                *(
-                    f"{setup['steps_p50_ms'][step]:.2f}" if step in setup["steps_p50_ms"] else "—"
-                    for setup in setups.values()
-                ),
-            ]
-            for step in steps
-        ],
-    )
+    # Where the time goes, in one line: each setup's largest step of its own (the engine call aside); every step's
+    # time is in the results file.
+    largest = []
+    for name, setup in setups.items():
+        own = {k: v for k, v in setup["steps_p50_ms"].items() if k not in (PLATFORM_WHOLE, "_collect")}
+        if own:
+            step = max(own, key=lambda k: own[k])
+            largest.append(f"{PLATFORM_STEPS.get(step, step)}, {own[step]:.2f} ms p50 ({SETUP_WORDS.get(name, name)})")
+    if largest:
+        lines += ["", "Its largest step of its own: " + "; ".join(largest) + "."]
     saturation = [(name, setup["throughput"]) for name, setup in setups.items() if "throughput" in setup]
     if saturation:
         clients = saturation[0][1]["clients"]
@@ -516,13 +499,10 @@ def tensor_parallel(doc: dict[str, Any], results: Results, plots: Plots) -> list
     lines += table(["engine", *[f"decode, batch {b}" for b in batches], "prefill"], rows)
     lines += [
         "",
-        f"What the collectives move, per rank: **{num(per_token)} bytes all-reduced per token**, in prefill and decode"
-        f" alike, which is {per_token / hidden_bytes:.0f} hidden vectors ({model['hidden_size']} values each): one"
-        f" after each layer's o and down projections and one after the embedding ({num(step['all_reduces_per_step'])}"
-        f" all-reduces per step); and {num(step['gather_bytes_per_step'])} bytes of logits per sampling row gathered"
-        f" on rank 0 (the rank's {num(model['vocab_size'] / split['tensor_parallel_size'])} vocabulary entries)."
-        " On a CPU each collective costs a fixed latency (gloo over loopback, between processes that share two"
-        " cores), which is why a small batch's step is slower split than whole; decision 0040 says more."
+        f"Per rank the collectives move **{num(per_token)} bytes per token** all-reduced"
+        f" ({per_token / hidden_bytes:.0f} hidden vectors: after each layer's o and down projections and the"
+        f" embedding) and {num(step['gather_bytes_per_step'])} bytes of logits per sampling row. On a CPU each"
+        " collective costs a fixed latency, so a small batch runs slower split than whole (decision 0040)."
         f" {writes('tensor_parallel')}.",
     ]
     return lines
@@ -541,12 +521,10 @@ def kv_transfer(doc: dict[str, Any], results: Results, plots: Plots) -> list[str
         for r in doc["prefill_decode"]
     ]
     lines = [
-        f"Two engine processes of the benchmark model ({model['num_layers']} layers, {model['num_kv_heads']} KV heads"
-        f" of {model['head_dim']}, {model['dtype']}), one thread each, on this machine's loopback. A prompt's K/V is"
-        f" {num(doc['kv_bytes_per_token'])} bytes per token; a fetched body carries"
-        f" {num(doc['prefill_decode'][0]['bytes_per_token'])} (with each block's hash and tokens). Decoding from a"
-        " prefill engine's blocks (fetch, adopt, compute the last block, one token) against computing the prompt,"
-        f" median of {doc['repeats']}:",
+        f"Two engine processes of the benchmark model ({model['dtype']}), one thread each. K/V is"
+        f" {num(doc['kv_bytes_per_token'])} bytes per prompt token ({num(doc['prefill_decode'][0]['bytes_per_token'])}"
+        " on the wire). A decode from a prefill engine's blocks against computing the prompt, median of"
+        f" {doc['repeats']}:",
         "",
     ]
     lines += table(["prompt tokens", "recompute", "from the prefill's KV", "of which the fetch", "speed-up"], rows)
@@ -561,9 +539,8 @@ def kv_transfer(doc: dict[str, Any], results: Results, plots: Plots) -> list[str
     ]
     lines += [
         "",
-        "A chat turn that moves to another replica (its history's blocks cached on the first, a"
-        f" {doc['chat_turns'][0]['question_tokens']}-token question): time to first token with the history's blocks"
-        " pulled from the first replica, against recomputed:",
+        f"A chat turn (history and a {doc['chat_turns'][0]['question_tokens']}-token question) that moves replica:"
+        " time to first token with the history pulled from the first replica, against recomputed:",
         "",
     ]
     lines += table(["history tokens", "TTFT, recompute", "TTFT, prefix pulled", "speed-up"], turns)
