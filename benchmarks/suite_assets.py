@@ -33,6 +33,15 @@ LARGE_SPEC = dataclasses.replace(  # ~246M parameters
     num_key_value_heads=4,
     intermediate_size=2816,
 )
+GPU_SPEC = dataclasses.replace(  # ~1B parameters, bf16: the GPU scripts' model (scripts/bench_gpu.sh, bench_tp_gpu.sh)
+    SMALL_SPEC,
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    intermediate_size=5632,
+    torch_dtype="bfloat16",
+)
 # Many adapters on disk must be cheap to write and to hold: rank 8 on q_proj and v_proj only, stored in bfloat16
 # (about 230 KB each on the small model).
 MANY_TARGETS = ("q_proj", "v_proj")

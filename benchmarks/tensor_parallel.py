@@ -29,13 +29,14 @@ from typing import Any
 
 import torch
 from suite import commit, machine
+from suite_assets import GPU_SPEC, SMALL_SPEC
 
 from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.engine_core import EngineCore
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.parallel.comm import CollectiveStats
-from loraplex.engine.tools.demo import BENCHMARK_SPEC, write_random_model
+from loraplex.engine.tools.demo import write_random_model
 
 RESULTS = Path(__file__).parent / "results" / "tensor_parallel.json"
 PROMPT_LEN = 16
@@ -148,17 +149,7 @@ def main() -> None:
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        spec = dataclasses.replace(BENCHMARK_SPEC, torch_dtype="float32")
-        if args.large:
-            spec = dataclasses.replace(
-                spec,
-                hidden_size=2048,
-                num_hidden_layers=16,
-                num_attention_heads=16,
-                num_key_value_heads=8,
-                intermediate_size=5632,
-                torch_dtype="bfloat16",
-            )
+        spec = GPU_SPEC if args.large else SMALL_SPEC
         model = write_random_model(Path(tmp) / "model", spec)
         config = ModelConfig.from_dir(model)
         runs = []

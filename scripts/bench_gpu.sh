@@ -100,21 +100,16 @@ EOF
 
 echo "== 3. online serving, larger model, --device $DEVICE (limits: 90 s to write it, 70 s per rate)"
 limited 90 "$PYTHON" - <<'EOF'
-import dataclasses, os, sys
+import os, sys
 from pathlib import Path
 
 sys.path.insert(0, "benchmarks")
-from suite_assets import SMALL_SPEC, mixed_adapters, write_model
+from suite_assets import GPU_SPEC, SMALL_SPEC, mixed_adapters, write_model
 
 from loraplex.engine.model.config import ModelConfig
 
 work = Path(os.environ["WORK"])
-spec = SMALL_SPEC
-if not os.environ.get("SMALL"):  # about 1B parameters, bf16 (about 2 GB on disk)
-    spec = dataclasses.replace(
-        SMALL_SPEC, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
-        intermediate_size=5632, torch_dtype="bfloat16",
-    )
+spec = SMALL_SPEC if os.environ.get("SMALL") else GPU_SPEC  # about 1B parameters, bf16 (about 2 GB on disk)
 model = write_model(work / "model", spec)
 adapters = mixed_adapters(work / "adapters", ModelConfig.from_dir(model), 16)
 (work / "loras.txt").write_text("".join(f"--lora lora-{i}={path}\n" for i, path in enumerate(adapters.paths)))

@@ -143,6 +143,12 @@ class KVTransfers:
         self.num_fetches = 0
         self.num_fetch_failures = 0
         self.num_imported_tokens = 0
+        self._client: httpx.AsyncClient | None = None  # made by the first fetch, on the server's loop
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
     @property
     def enabled(self) -> bool:

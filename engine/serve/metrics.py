@@ -374,28 +374,25 @@ class _VllmStateCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         state = self._state()
         model = [self._model_name]
-        running = GaugeMetricFamily(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", labels=["model_name"]
-        )
-        running.add_metric(model, state.num_running)
-        waiting = GaugeMetricFamily(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=["model_name"]
-        )
-        waiting.add_metric(model, state.num_waiting)
-        usage = GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage (pool pages held by running requests' KV and adapters).",
-            labels=["model_name"],
-        )
-        usage.add_metric(model, _kv_cache_usage(state.pool))
-        # vLLM's deprecated name of the same gauge, which endpoint pickers up to v1.0 read by default.
-        legacy_usage = GaugeMetricFamily(
-            "vllm:gpu_cache_usage_perc",
-            "GPU KV-cache usage. 1 means 100 percent usage (the same as vllm:kv_cache_usage_perc).",
-            labels=["model_name"],
-        )
-        legacy_usage.add_metric(model, _kv_cache_usage(state.pool))
-        yield from (running, waiting, usage, legacy_usage)
+        usage = _kv_cache_usage(state.pool)
+        for name, description, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", state.num_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", state.num_waiting),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage (pool pages held by running requests' KV and adapters).",
+                usage,
+            ),
+            # vLLM's deprecated name of the same gauge, which endpoint pickers up to v1.0 read by default.
+            (
+                "vllm:gpu_cache_usage_perc",
+                "GPU KV-cache usage. 1 means 100 percent usage (the same as vllm:kv_cache_usage_perc).",
+                usage,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, description, labels=["model_name"])
+            gauge.add_metric(model, value)
+            yield gauge
         # vLLM's shape: the value is when the lists were read (the picker takes the series with the latest), the
         # lists are label values. Each list holds at most max_lora names: that bounds the label values and leaves the
         # picker's test "room for one more adapter" (running and waiting names listed < max_lora) answered as the

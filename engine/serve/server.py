@@ -355,6 +355,7 @@ def create_engine_app(
             finally:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+                await transfers.aclose()
 
         lifespan.append(sweeping)
     fleet: FleetRegistration | None = None
