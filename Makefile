@@ -53,9 +53,9 @@ chromium:
 # with AVX-512 VNNI: about 11 minutes (engine_throughput 2 min, lora_throughput 2, quant_throughput 2.5,
 # platform_overhead 1.5, the serving suite 5.6); on 2026-12-03 an AVX2-only EPYC took 22 minutes before the suite was
 # trimmed to its present size (its large-model headline and sweeps send fewer requests now).
-# platform_overhead's services setup needs Postgres and Redis at its default URLs (see its --database-url and
+# platform_overhead's services setups need Postgres and Redis at their default URLs (see its --database-url and
 # --redis-url); without them: make bench BENCH_OVERHEAD_ARGS="--setup embedded".
-BENCH_OVERHEAD_ARGS ?= --setup both --requests 100
+BENCH_OVERHEAD_ARGS ?= --setup all --requests 100
 bench: $(STAMP) native
 	$(BIN)/python benchmarks/engine_throughput.py --repeats 1 --batch-sizes 32,64
 	$(BIN)/python benchmarks/lora_throughput.py --repeats 1 --batch-sizes 64

@@ -1,8 +1,16 @@
 """What the platform in front of an engine costs per request, and where it goes (issue 20, point 7).
 
-One process serves the platform (embedded mode: its in-process engine on the demo model), a second one `loraplex
-engine serve` of the same model with the same reasoning settings as the platform registers it with, so both paths
-reach the same kind of engine doing the same work and differ only by the control plane. Two measurements:
+A `loraplex engine serve` of the demo model (with the reasoning settings the platform registers it with) is measured
+straight, and through the platform in front of an engine, in two setups:
+
+- `embedded`, as `loraplex dev` runs: SQLite, the in-process key-value store, and the platform's own in-process
+  engine on the same model (so the platform and its engine share one process and its interpreter lock);
+- `services`, as a deployment runs (deploy/k8s, compose.yaml): Postgres and Redis at --database-url / --redis-url
+  (the schema in a database of its own), the platform in fleet mode, and the engine it routes to is the very
+  `loraplex engine serve` process measured straight, registered in the platform's Redis. The two paths then
+  differ by the control plane alone, down to the engine's state.
+
+Two measurements:
 
 - latency: a client alternates one-token chat completions (greedy, non-streamed) between them: through the platform
   with a tenant key, and straight to the engine. Reported: p50 / p90 of each and the difference; and, from timers
@@ -10,14 +18,15 @@ reach the same kind of engine doing the same work and differ only by the control
   the tenant's terms, routing, the rate limit, the concurrency lease, the engine call, the usage write, and the whole
   request inside the platform's app), where the added time goes;
 - throughput at saturation: --clients keep-alive clients send the same request back to back (http_load.py), for
-  --seconds at a time, alternating platform and engine --rounds times; reported: completed requests per second of
-  each and their ratio (platform / engine).
+  --seconds at a time, alternating platform and engine --rounds times, for two workloads: `one_token` (the
+  latency phase's request: requests/s, where the platform's work per request weighs most) and `chat` (a streamed
+  chat completion of up to CHAT_TOKENS tokens, its usage in the last event: completion tokens/s, the unit a
+  serving stack is sized in). Reported: each path's rate and their ratio (platform / engine).
 
-Two setups: `embedded` (SQLite and the in-process key-value store, as `loraplex dev` runs) and `services` (Postgres
-and Redis at --database-url / --redis-url, as a deployment runs; the schema is created in a database of its own).
+Everything runs on this machine's cores: the clients, the platform and the engine take CPU from one another.
 
     .venv/bin/python benchmarks/platform_overhead.py [--requests 150] [--setup embedded|services|both]
-        [--clients 16] [--seconds 6] [--rounds 2]
+        [--clients 16] [--seconds 6] [--rounds 2] [--workloads one_token,chat]
 
 writes benchmarks/results/platform_overhead.json.
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -42,11 +52,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
+import psutil
+import torch
 import uvicorn
 from http_load import saturate  # siblings: benchmarks/ is on sys.path when a script in it runs
-from serve_launch import free_port, launched_engine
+from serve_launch import cpu_model, free_port, launched_engine
 
 from loraplex.platform.domain.fleet.embedded import DEMO_REASONING_CONFIG
 
@@ -63,6 +76,18 @@ ENGINE_ARGS = [
     *("--default-reasoning-effort", REASONING.default_effort),
 ]
 BODY = {"model": "loraplex-demo", "messages": MESSAGES, "max_completion_tokens": 1, "temperature": 0}
+CHAT_TOKENS = 64
+# What the saturation phase sends: the rate it is measured by.
+WORKLOADS: dict[str, tuple[dict[str, Any], str]] = {
+    "one_token": (BODY, "requests_per_s"),
+    "chat": (
+        BODY | {"max_completion_tokens": CHAT_TOKENS, "stream": True, "stream_options": {"include_usage": True}},
+        "tokens_per_s",
+    ),
+}
+DEMO_NAME = "loraplex-demo"
+SPLIT = "services_split"
+SETUPS = ("embedded", "services", SPLIT)
 # The platform's steps, as named in its completions controller module, each timed per request.
 STEPS = ("resolve", "tenant_terms", "route", "engine_body", "_collect", "record_usage_soon")
 # The whole of a completion inside the platform's app (from the ASGI call to the end of the response).
@@ -156,11 +181,13 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class Load:
-    """The saturation phase: `clients` closed-loop clients, `rounds` x (platform, engine) windows of `seconds`."""
+    """The saturation phase: `clients` closed-loop clients, `rounds` x (platform, engine) windows of `seconds`, for
+    each of `workloads` (WORKLOADS' names)."""
 
     clients: int
     seconds: float
     rounds: int
+    workloads: tuple[str, ...] = tuple(WORKLOADS)
 
 
 def run_setup(setup: str, requests: int, load: Load, database_url: str | None, redis_url: str | None) -> dict[str, Any]:
@@ -171,33 +198,67 @@ def run_setup(setup: str, requests: int, load: Load, database_url: str | None, r
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
     env |= {"LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_ADMIN_TOKEN": admin, "LORAPLEX_ENGINE_DTYPE": "float32"}
     database: str | None = None
-    if setup == "services":
+    engine_args = list(ENGINE_ARGS)
+    engine_auth: dict[str, str] = {}
+    all_cores = os.sched_getaffinity(0)
+    engine_cores, platform_cores = all_cores, all_cores
+    if setup == SPLIT:  # the engine's threads on cores of their own, as on a machine of its own
+        ordered = sorted(all_cores)
+        if len(ordered) < 2:
+            raise SystemExit(f"the {SPLIT} setup needs two cores or more")
+        platform_cores, engine_cores = set(ordered[: len(ordered) // 2]), set(ordered[len(ordered) // 2 :])
+        engine_args += ["--num-threads", str(len(engine_cores))]
+    if setup != "embedded":
         assert database_url is not None
         assert redis_url is not None
         database = f"overhead_{secrets.token_hex(4)}"
         asyncio.run(_database(database_url, f'CREATE DATABASE "{database}"'))
+        engine_key, prefix = secrets.token_urlsafe(24), f"overhead-{database}:"
         env |= {
             "LORAPLEX_DATABASE_URL": database_url.rsplit("/", 1)[0] + f"/{database}",
             "LORAPLEX_REDIS_URL": redis_url,
-            "LORAPLEX_REDIS_PREFIX": f"overhead-{database}:",
+            "LORAPLEX_REDIS_PREFIX": prefix,
             "LORAPLEX_SECRET_KEY": secrets.token_urlsafe(32),
+            "LORAPLEX_ENGINE_MODE": "fleet",
+            "LORAPLEX_ENGINE_API_KEY": engine_key,
         }
+        # The engine registers itself in the platform's Redis, where the platform's router finds it.
+        engine_args += ["--redis-url", redis_url, "--redis-prefix", prefix, "--base-model-name", DEMO_NAME]
+        engine_args += ["--api-key", engine_key]
+        engine_auth = {"Authorization": f"Bearer {engine_key}"}
     port = free_port()
     spans_file = data_dir / "spans.json"
     command = [sys.executable, __file__, "--child", str(port), str(spans_file)]
+    os.sched_setaffinity(0, platform_cores)  # the platform's process and this one's clients: inherited, kept
     child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         platform_url = f"http://127.0.0.1:{port}"
         _wait_healthy(platform_url, child)
         key = _tenant_key(platform_url, admin, load.clients)
-        # The same model as the platform's embedded engine serves, in float32 as it does, reasoning as the platform
+        if setup != "embedded":  # the base model the engine announces: registered as embedded mode registers it
+            _base_model(platform_url, admin)
+        # The same model as the platform's engine serves, in float32 as it does, reasoning as the platform
         # registers it (the platform sends every chat request to it with a thinking budget).
-        with launched_engine(DEMO, served_model_name="loraplex-demo", engine_args=ENGINE_ARGS) as engine_url:
-            figures = measure(platform_url, engine_url, key, requests)
+        with contextlib.ExitStack() as stack:
+            os.sched_setaffinity(0, engine_cores)  # inherited by the engine's process and every thread of it
+            try:
+                engine_url = stack.enter_context(
+                    launched_engine(DEMO, served_model_name=DEMO_NAME, engine_args=engine_args)
+                )
+            finally:
+                os.sched_setaffinity(0, platform_cores)
+            if setup != "embedded":
+                _wait_routed(platform_url, key)
+            paths = _paths(platform_url, engine_url, key, engine_auth)
+            figures = measure(paths, requests)
             child.send_signal(signal.SIGUSR1)  # the child writes the latency phase's spans
             _wait_for_file(spans_file)
-            figures["throughput"] = asyncio.run(throughput(platform_url, engine_url, key, load))
+            processes = {"platform": psutil.Process(child.pid), "engine": _server_process(engine_url)}
+            figures["saturation"] = {
+                workload: asyncio.run(throughput(paths, processes, workload, load)) for workload in load.workloads
+            }
     finally:
+        os.sched_setaffinity(0, all_cores)
         child.send_signal(signal.SIGINT)
         child.wait(60)
         if database is not None:
@@ -302,16 +363,38 @@ def _tenant_key(platform_url: str, admin: str, clients: int) -> str:
         return value
 
 
-def _paths(platform_url: str, engine_url: str, key: str) -> dict[str, tuple[str, dict[str, str]]]:
+def _base_model(platform_url: str, admin: str) -> None:
+    body = {"name": DEMO_NAME, "source": str(DEMO), "reasoning_config": REASONING.to_dict()}
+    response = httpx.post(f"{platform_url}/admin/base-models", headers={"Authorization": f"Bearer {admin}"}, json=body)
+    response.raise_for_status()
+
+
+def _wait_routed(platform_url: str, key: str, timeout_s: float = 60.0) -> None:
+    """Until the platform routes a completion to the engine (its registry entry read from Redis)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = httpx.post(
+            f"{platform_url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json=BODY, timeout=60
+        )
+        if response.status_code == 200:
+            return
+        if response.status_code != 503 or time.monotonic() > deadline:
+            raise RuntimeError(f"the platform did not route to the engine: {response.status_code} {response.text}")
+        time.sleep(0.5)
+
+
+Paths = dict[str, tuple[str, dict[str, str]]]
+
+
+def _paths(platform_url: str, engine_url: str, key: str, engine_auth: dict[str, str]) -> Paths:
     return {
         "platform": (f"{platform_url}/v1/chat/completions", {"Authorization": f"Bearer {key}"}),
-        "engine": (f"{engine_url}/v1/chat/completions", {}),
+        "engine": (f"{engine_url}/v1/chat/completions", engine_auth),
     }
 
 
-def measure(platform_url: str, engine_url: str, key: str, requests: int) -> dict[str, Any]:
+def measure(paths: Paths, requests: int) -> dict[str, Any]:
     client = httpx.Client(timeout=60)
-    paths = _paths(platform_url, engine_url, key)
     for url, auth in paths.values():  # warm-up: the first requests compile, connect and fill caches
         for _ in range(5):
             client.post(url, headers=auth, json=BODY).raise_for_status()
@@ -334,24 +417,69 @@ def measure(platform_url: str, engine_url: str, key: str, requests: int) -> dict
     return result
 
 
-async def throughput(platform_url: str, engine_url: str, key: str, load: Load) -> dict[str, Any]:
-    """Requests per second at saturation through each path, the paths taking turns (so that whatever else the
-    machine does weighs on both alike), and the ratio of the totals."""
-    paths = _paths(platform_url, engine_url, key)
+def _server_process(url: str) -> psutil.Process:
+    """The process listening on `url`'s port (a launched `loraplex engine serve`)."""
+    port = urlsplit(url).port
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "serve" in cmdline and "--port" in cmdline and str(port) in cmdline:
+            return process
+    raise RuntimeError(f"no process serves {url}")
+
+
+def _cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
+    """Each process's CPU time so far (user + system, all its threads), and this one's: the load's clients."""
+    times = {name: sum(process.cpu_times()[:2]) for name, process in processes.items()}
+    return times | {"clients": time.process_time()}
+
+
+def _mark(marks: list[dict[str, float]], processes: dict[str, psutil.Process]) -> None:
+    marks.append(_cpu_seconds(processes))
+
+
+async def throughput(paths: Paths, processes: dict[str, psutil.Process], workload: str, load: Load) -> dict[str, Any]:
+    """`workload`'s rate at saturation through each path, the paths taking turns (so that whatever else the machine
+    does weighs on both alike), and the ratio of the totals; with the CPU time the platform's process, the engine's
+    and the clients took per unit of each path (ms per request, or per thousand tokens): what the platform costs
+    wherever it runs, where the ratio is what it costs on these cores, which the three share."""
+    body, unit = WORKLOADS[workload]
     rounds: list[dict[str, Any]] = []
     for _ in range(load.rounds):
         measured = {}
         for name, (url, auth) in paths.items():
-            result = await saturate(url, BODY, auth, clients=load.clients, seconds=load.seconds)
-            measured[name] = result.as_dict()
+            marks: list[dict[str, float]] = []
+            result = await saturate(
+                url,
+                body,
+                auth,
+                clients=load.clients,
+                seconds=load.seconds,
+                at_window=functools.partial(_mark, marks, processes),
+            )
+            before, after = marks
+            measured[name] = result.as_dict() | {"cpu_s": {k: after[k] - before[k] for k in after}}
         rounds.append(measured)
-    totals = {name: sum(r[name]["num_ok"] for r in rounds) / sum(r[name]["seconds"] for r in rounds) for name in paths}
+    counted = "completion_tokens" if unit == "tokens_per_s" else "num_ok"
+    totals = {name: sum(r[name][counted] for r in rounds) / sum(r[name]["seconds"] for r in rounds) for name in paths}
+    # CPU per unit: each process's CPU time in the measured windows over what they completed.
+    scale = 1e3 if unit == "requests_per_s" else 1e6  # ms per request; ms per thousand tokens
+    cpu_ms = {
+        name: {
+            process: scale
+            * sum(r[name]["cpu_s"][process] for r in rounds)
+            / max(1, sum(r[name][counted] for r in rounds))
+            for process in (*processes, "clients")
+        }
+        for name in paths
+    }
     return {
         "clients": load.clients,
         "seconds_per_window": load.seconds,
-        "platform_requests_per_s": totals["platform"],
-        "engine_requests_per_s": totals["engine"],
+        "unit": unit,
+        "platform": totals["platform"],
+        "engine": totals["engine"],
         "ratio": totals["platform"] / totals["engine"] if totals["engine"] else 0.0,
+        "cpu_ms_per_unit": cpu_ms,
         "num_failed": sum(r[name]["num_failed"] for r in rounds for name in paths),
         "rounds": rounds,
     }
@@ -360,10 +488,16 @@ async def throughput(platform_url: str, engine_url: str, key: str, load: Load) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=150, help="requests each way (alternating)")
-    parser.add_argument("--setup", choices=["embedded", "services", "both"], default="embedded")
+    parser.add_argument(
+        "--setup",
+        choices=[*SETUPS, "both", "all"],
+        default="embedded",
+        help=f"both: embedded and services; all: those and {SPLIT}",
+    )
     parser.add_argument("--clients", type=int, default=16, help="closed-loop clients at saturation")
     parser.add_argument("--seconds", type=float, default=6.0, help="each saturation window")
     parser.add_argument("--rounds", type=int, default=2, help="saturation windows each way (alternating)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"saturation workloads of {list(WORKLOADS)}")
     parser.add_argument("--database-url", default="postgresql+asyncpg://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--child", nargs=2, metavar=("PORT", "SPANS_FILE"), help=argparse.SUPPRESS)
@@ -371,10 +505,14 @@ def main() -> None:
     if args.child:
         child(int(args.child[0]), Path(args.child[1]))
         return
-    setups = ["embedded", "services"] if args.setup == "both" else [args.setup]
-    load = Load(clients=args.clients, seconds=args.seconds, rounds=args.rounds)
+    setups = {"both": ["embedded", "services"], "all": list(SETUPS)}.get(args.setup, [args.setup])
+    workloads = tuple(w for w in args.workloads.split(",") if w)
+    if unknown := set(workloads) - set(WORKLOADS):
+        parser.error(f"unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
+    load = Load(clients=args.clients, seconds=args.seconds, rounds=args.rounds, workloads=workloads)
     out: dict[str, Any] = {
-        "machine": {"cpu": host.processor() or host.machine(), "cores": os.cpu_count()},
+        "machine": {"cpu": host.processor() or host.machine(), "cpu_model": cpu_model(), "cores": os.cpu_count()},
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "setups": {},
     }
     for setup in setups:
@@ -388,11 +526,16 @@ def main() -> None:
         if "platform_work_p50_ms" in figures:
             own = figures["platform_work_p50_ms"]
             print(f"  the platform's own work in its app (in_app - _collect): {own:.3f} ms (p50)")
-        rate = figures["throughput"]
-        print(
-            f"  saturation ({rate['clients']} clients): platform {rate['platform_requests_per_s']:.1f} req/s, "
-            f"engine {rate['engine_requests_per_s']:.1f} req/s, ratio {rate['ratio']:.3f}"
-        )
+        for workload, rate in figures["saturation"].items():
+            unit = "tok/s" if rate["unit"] == "tokens_per_s" else "req/s"
+            print(
+                f"  saturation, {workload} ({rate['clients']} clients): platform {rate['platform']:.1f} {unit}, "
+                f"engine {rate['engine']:.1f} {unit}, ratio {rate['ratio']:.3f}"
+            )
+            per = "request" if rate["unit"] == "requests_per_s" else "1000 tokens"
+            for path, cpu in rate["cpu_ms_per_unit"].items():
+                shares = ", ".join(f"{process} {value:.2f}" for process, value in cpu.items())
+                print(f"    CPU ms per {per}, {path} path: {shares}")
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import report_platform
 import report_sections
 from report_data import BENCHMARKS, SHAPE_ERRORS, Results, command, latency, ms, num, pct, table, x
 from report_plots import Plots
@@ -222,8 +223,12 @@ def _reasoning_rows(doc: dict[str, Any]) -> list[Row]:
 
 
 def _platform_rows(doc: dict[str, Any]) -> list[Row]:
+    """Latency added and the throughput ratios, embedded and with services (the setup with the engine on cores of
+    its own is on the section's tables)."""
     rows = []
     for name, setup in doc["setups"].items():
+        if name not in ("embedded", "services"):
+            continue
         rows.append(
             Row(
                 f"latency the platform adds per request, p50 ({name})",
@@ -231,13 +236,15 @@ def _platform_rows(doc: dict[str, Any]) -> list[Row]:
                 f"{ms(setup['platform']['p50_ms'])} against {ms(setup['engine']['p50_ms'])} straight to the engine",
             )
         )
-        if (saturation := setup.get("throughput")) is not None:
+        for workload, saturation in (setup.get("saturation") or {}).items():
+            rate, _ = report_platform.unit_words(saturation)
             rows.append(
                 Row(
-                    f"requests/s at saturation through the platform / straight to the engine ({name})",
+                    f"{rate} at saturation through the platform / straight to the engine ({name},"
+                    f" {report_platform.WORKLOAD_WORDS.get(workload, workload)})",
                     f"**{saturation['ratio']:.2f}**",
-                    f"{num(saturation['platform_requests_per_s'], 1)} against"
-                    f" {num(saturation['engine_requests_per_s'], 1)} req/s, {saturation['clients']} clients",
+                    f"{num(saturation['platform'])} against {num(saturation['engine'])} {rate},"
+                    f" {saturation['clients']} clients",
                 )
             )
     return rows

@@ -57,7 +57,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "fairness": Benchmark(f"{PYTHON} benchmarks/fairness.py --duration 30 --repeats 3", "fair share under a flood"),
     "reasoning": Benchmark(f"{PYTHON} benchmarks/reasoning.py --repeats 9", "reasoning effort tiers"),
     "platform_overhead": Benchmark(
-        f"{PYTHON} benchmarks/platform_overhead.py --setup both --requests 100", "what the platform adds per request"
+        f"{PYTHON} benchmarks/platform_overhead.py --setup all --requests 100", "what the platform adds per request"
     ),
     "tensor_parallel": Benchmark(
         f"{PYTHON} benchmarks/tensor_parallel.py", "tensor parallelism: bytes moved, step time TP=1 against TP=2"

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import report_platform
 import report_plots
 import report_suite
 from report_data import Results, mib, ms, num, pct, table, writes, x
@@ -391,80 +392,6 @@ def reasoning(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
     return lines
 
 
-# The platform's timed steps, as a user would name them, in a request's order; a step not named here shows under its
-# own name, after them.
-PLATFORM_STEPS = {
-    "authenticate": "key check",
-    "resolve": "model lookup",
-    "tenant_terms": "tenant's terms",
-    "engine_body": "request body",
-    "route": "routing",
-    "admission": "admission (rate limits and lease, one round trip)",
-    "rate_limit": "rate limit",
-    "lease": "concurrency lease",
-    "_collect": "engine call",
-    "record_usage_soon": "usage record",
-    "lease_release": "lease release",
-}
-PLATFORM_WHOLE = "in_app"  # the whole request inside the platform's app: not a step
-SETUP_WORDS = {"embedded": "embedded (SQLite, in-process store)", "services": "services (Postgres, Redis)"}
-
-
-def platform_overhead(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
-    setups = doc["setups"]
-    own_work = all("platform_work_p50_ms" in setup for setup in setups.values())
-    rows = []
-    for name, setup in setups.items():
-        row = [SETUP_WORDS.get(name, name), ms(setup["platform"]["p50_ms"]), ms(setup["engine"]["p50_ms"])]
-        row.append(f"**{ms(setup['added_p50_ms'])}**")
-        if own_work:
-            row.append(ms(setup["platform_work_p50_ms"]))
-        rows.append(row)
-    requests = next(iter(setups.values()))["requests"]
-    lines = [
-        f"One-token chat completions of the demo model, {requests} each way, alternating between the platform (a"
-        " tenant's key; its embedded engine) and a `loraplex engine serve` of the same model; the platform's steps"
-        " timed inside it.",
-        "",
-    ]
-    header = ["setup", "platform p50", "engine p50", "added"]
-    header += ["platform's own work p50 (in its app, less the engine call)"] if own_work else []
-    lines += table(header, rows)
-    # Where the time goes, in one line: each setup's largest step of its own (the engine call aside); every step's
-    # time is in the results file.
-    largest = []
-    for name, setup in setups.items():
-        own = {k: v for k, v in setup["steps_p50_ms"].items() if k not in (PLATFORM_WHOLE, "_collect")}
-        if own:
-            step = max(own, key=lambda k: own[k])
-            largest.append(f"{PLATFORM_STEPS.get(step, step)}, {own[step]:.2f} ms p50 ({SETUP_WORDS.get(name, name)})")
-    if largest:
-        lines += ["", "Its largest step of its own: " + "; ".join(largest) + "."]
-    saturation = [(name, setup["throughput"]) for name, setup in setups.items() if "throughput" in setup]
-    if saturation:
-        clients = saturation[0][1]["clients"]
-        lines += [
-            "",
-            f"**Throughput at saturation**: {clients} clients send the same request back to back, through the platform"
-            " and straight to the engine in turns.",
-            "",
-        ]
-        lines += table(
-            ["setup", "platform req/s", "engine req/s", "platform / engine", "failed"],
-            [
-                [
-                    SETUP_WORDS.get(name, name),
-                    num(t["platform_requests_per_s"], 1),
-                    num(t["engine_requests_per_s"], 1),
-                    f"**{t['ratio']:.2f}**",
-                    str(t.get("num_failed", 0)),
-                ]
-                for name, t in saturation
-            ],
-        )
-    return [*lines, "", writes("platform_overhead") + "."]
-
-
 def tensor_parallel_runs(doc: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
     """The runs by (tensor_parallel_size, threads per rank)."""
     return {(run["tensor_parallel_size"], run["threads_per_rank"]): run for run in doc["runs"]}
@@ -559,7 +486,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("Structured outputs", (Part("structured_output", structured_output),)),
     Section("Fair share under a flood", (Part("fairness", fairness),)),
     Section("Reasoning effort tiers", (Part("reasoning", reasoning),)),
-    Section("What the platform adds per request", (Part("platform_overhead", platform_overhead),)),
+    Section("What the platform adds per request", (Part("platform_overhead", report_platform.platform_overhead),)),
     Section("Tensor parallelism", (Part("tensor_parallel", tensor_parallel),)),
     Section("KV transfer between engines", (Part("kv_transfer", kv_transfer),)),
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import platform
 import shlex
 import socket
 import subprocess
@@ -24,6 +25,16 @@ MAX_LOGGED_CHARS = 400  # of a launched command line
 
 class EngineLaunchError(RuntimeError):
     """The engine (or another launched server) exited or did not become healthy at start; the message names its log."""
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's first), else what the platform module knows (the architecture)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def free_port() -> int:

@@ -53,6 +53,7 @@ from typing import Any, TypeVar
 
 import torch
 from rich.console import Console
+from serve_launch import cpu_model
 from serve_stats import Slo
 from suite_assets import (
     LARGE_SPEC,
@@ -126,16 +127,9 @@ QUICK = Sizes(
 
 
 def machine(threads: int) -> dict[str, Any]:
-    cpu_model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [
-            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")
-        ]
-        cpu_model = names[0] if names else cpu_model
     return {
         "cpu": platform.processor() or platform.machine(),
-        "cpu_model": cpu_model,
+        "cpu_model": cpu_model(),
         "threads": threads,
         "torch": torch.__version__,
     }

@@ -77,18 +77,34 @@ def suite_document() -> dict[str, Any]:
 
 
 def with_saturation(platform_overhead: dict[str, Any]) -> dict[str, Any]:
-    """platform_overhead.json with the figures its newer runs add (throughput at saturation, the platform's own
-    work), whether or not the repository's file has them yet."""
+    """platform_overhead.json with the figures its newer runs add (throughput at saturation with CPU per unit, the
+    platform's own work), whether or not the repository's file has them yet."""
     for setup in platform_overhead["setups"].values():
         setup["platform_work_p50_ms"] = 1.5
-        setup["throughput"] = {
-            "clients": 16,
-            "seconds_per_window": 8.0,
-            "platform_requests_per_s": 45.0,
-            "engine_requests_per_s": 50.0,
-            "ratio": 0.9,
-            "num_failed": 0,
-            "rounds": [],
+        cpu = {"platform": {"platform": 3.0, "engine": 2.5, "clients": 0.1}, "engine": {"platform": 0.0, "engine": 2.0}}
+        setup["saturation"] = {
+            "one_token": {
+                "clients": 16,
+                "seconds_per_window": 8.0,
+                "unit": "requests_per_s",
+                "platform": 45.0,
+                "engine": 50.0,
+                "ratio": 0.9,
+                "cpu_ms_per_unit": cpu,
+                "num_failed": 0,
+                "rounds": [],
+            },
+            "chat": {
+                "clients": 16,
+                "seconds_per_window": 8.0,
+                "unit": "tokens_per_s",
+                "platform": 1950.0,
+                "engine": 2000.0,
+                "ratio": 0.97,
+                "cpu_ms_per_unit": cpu,
+                "num_failed": 0,
+                "rounds": [],
+            },
         }
         setup["steps_p50_ms"]["in_app"] = 20.0
     return platform_overhead
@@ -143,7 +159,10 @@ def test_page_from_every_results_file_has_the_headline_table_and_plots(tmp_path:
     assert any("transformers" in r and "benchmarks/engine_throughput.py" in r for r in rows)
     assert any("peft" in r and "benchmarks/lora_throughput.py" in r for r in rows)
     assert any("platform adds" in r and "benchmarks/platform_overhead.py" in r for r in rows)
-    assert any("at saturation" in r and "**0.90**" in r for r in rows)
+    assert any("req/s at saturation" in r and "one-token" in r and "**0.90**" in r for r in rows)
+    assert any("tok/s at saturation" in r and "streamed chats" in r and "**0.97**" in r for r in rows)
+    section = page.split("## What the platform adds per request\n", 1)[1].split("\n## ", 1)[0]
+    assert "1.0 ms per request" in section  # embedded: its process's CPU less the engine's own (3.0 - 2.0)
     assert "closed loop, 8 clients" in page
     # The suite's machine and commit are the ones it records.
     assert re.search(
