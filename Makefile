@@ -49,10 +49,10 @@ chromium:
 	$$SUDO env $(APT_CHROMIUM) || { $$SUDO apt-get update && $$SUDO env $(APT_CHROMIUM); }
 
 # The CPU benchmark suite, then docs/benchmarks.md and its plots regenerated from benchmarks/results/ (report.py).
-# Fewer repeats than the commands on that page, aiming at 20 minutes on 2 cores. Measured 2026-12-05 on an AMD EPYC
-# with AVX-512 VNNI: about 11 minutes (engine_throughput 2 min, lora_throughput 2, quant_throughput 2.5,
-# platform_overhead 1.5, the serving suite 5.6); on 2026-12-03 an AVX2-only EPYC took 22 minutes before the suite was
-# trimmed to its present size (its large-model headline and sweeps send fewer requests now).
+# Fewer repeats than the commands on that page, aiming at 20 minutes on 2 cores. Measured with every step below: 16
+# minutes on an AMD EPYC with AVX-512 VNNI (2026-12-05; platform_overhead's three setups alone took 3.8), 14 on an
+# Intel Xeon with AMX (2026-12-05, platform_overhead then in two setups); on 2026-12-03 an AVX2-only EPYC took 22
+# minutes before the suite was trimmed to its present size (its large-model headline and sweeps send fewer requests).
 # platform_overhead's services setups need Postgres and Redis at their default URLs (see its --database-url and
 # --redis-url); without them: make bench BENCH_OVERHEAD_ARGS="--setup embedded".
 BENCH_OVERHEAD_ARGS ?= --setup all --requests 100

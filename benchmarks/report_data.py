@@ -144,7 +144,7 @@ def machine_words(document: dict[str, Any]) -> str:
         parts.append(str(capability))
     threads = machine.get("threads") or document.get("threads")
     if threads:
-        parts.append(f"{threads} threads")
+        parts.append(f"{threads} thread{'' if threads == 1 else 's'}")
     torch_version = machine.get("torch") or document.get("torch")
     if torch_version:
         parts.append(f"torch {torch_version}")

@@ -94,9 +94,10 @@ def platform_overhead(doc: dict[str, Any], results: Results, plots: Plots) -> li
             "",
             f"**Throughput at saturation**: {clients} clients send the same request back to back, through the platform"
             " and straight to the engine in turns: one-token requests (requests/s), and streamed chats of up to 64"
-            " tokens (completion tokens/s). The clients, the platform and the engine share this machine's cores, so"
-            " the CPU the platform takes comes out of the engine's; the CPU columns say what each took per request or"
-            " per 1,000 tokens, which is what the platform costs wherever it runs.",
+            " tokens (completion tokens/s). The clients, the platform and the engine share this machine's cores (but"
+            " in the last setup, where the engine has a core of its own), so the CPU the platform takes comes out of"
+            " the engine's; the CPU columns say what each took per request or per 1,000 tokens, which is what the"
+            " platform costs wherever it runs.",
             "",
         ]
         sat_rows = []
