@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import random
 import tempfile
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from serve_launch import machine
 
 from loraplex.engine import LLM, SamplingParams
 from loraplex.engine.model.config import ModelConfig
@@ -191,11 +191,7 @@ def main() -> None:
         peak_after = matmul_flops_per_second(dtype=dtype)
 
     result: dict[str, Any] = {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "threads": args.threads,
-            "torch": torch.__version__,
-        },
+        "machine": machine(args.threads),
         "model": {
             "parameters": config.num_parameters(),
             "hidden": config.hidden_size,

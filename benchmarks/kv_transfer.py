@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from serve_launch import launched_engine
-from suite import commit, machine
+from serve_launch import launched_engine, machine
+from suite import commit
 
 from loraplex.engine.memory.prefix_cache import chain_hashes
 from loraplex.engine.model.config import ModelConfig

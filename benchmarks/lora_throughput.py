@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from engine_throughput import NUM_REQUESTS, Workload, left_padded, make_workload
+from serve_launch import machine
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.lora import parse_adapter, read_adapter_dir
@@ -224,6 +225,7 @@ def main() -> None:
         resident = residency(config, adapters, owners)
 
     result: dict[str, Any] = {
+        "machine": machine(args.threads),
         "model_parameters": config.num_parameters(),
         "adapters": {
             "count": NUM_ADAPTERS,

@@ -39,7 +39,6 @@ import contextlib
 import functools
 import json
 import os
-import platform as host
 import secrets
 import signal
 import statistics
@@ -56,10 +55,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import psutil
-import torch
 import uvicorn
 from http_load import saturate  # siblings: benchmarks/ is on sys.path when a script in it runs
-from serve_launch import cpu_model, free_port, launched_engine
+from serve_launch import free_port, launched_engine, machine
 
 from loraplex.platform.domain.fleet.embedded import DEMO_REASONING_CONFIG
 
@@ -511,8 +509,8 @@ def main() -> None:
         parser.error(f"unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
     load = Load(clients=args.clients, seconds=args.seconds, rounds=args.rounds, workloads=workloads)
     out: dict[str, Any] = {
-        "machine": {"cpu": host.processor() or host.machine(), "cpu_model": cpu_model(), "cores": os.cpu_count()},
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # The servers run torch's default threads: one per core.
+        "machine": machine(os.cpu_count() or 1),
         "setups": {},
     }
     for setup in setups:

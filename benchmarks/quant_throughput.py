@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from engine_throughput import Workload, make_workload
 from lora_throughput import NUM_ADAPTERS, make_adapters, popularity
+from serve_launch import machine
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.model.config import ModelConfig
@@ -161,6 +162,7 @@ def main() -> None:
             entry["weight_bytes_over_bf16"] = entry["weight_bytes"] / reference["weight_bytes"]
             entry["projection_bytes_over_bf16"] = entry["projection_bytes"] / reference["projection_bytes"]
     output = {
+        "machine": machine(args.threads),
         "model_parameters": config.num_parameters(),
         # Whether int8 and int4 rounded activations to 8 bits (CPUs with VNNI or AMX; decision 0039).
         "int8_activations": int8_activations(),

@@ -140,7 +140,7 @@ def machine_words(document: dict[str, Any]) -> str:
     machine: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
     cpu = machine.get("cpu_model") or machine.get("cpu") or machine.get("processor") or recorded
     parts = [cpu] if isinstance(cpu, str) and cpu else []
-    if capability := document.get("cpu_capability"):
+    if capability := machine.get("cpu_capability") or document.get("cpu_capability"):
         parts.append(str(capability))
     threads = machine.get("threads") or document.get("threads")
     if threads:

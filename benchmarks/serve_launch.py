@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -35,6 +36,20 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def machine(threads: int) -> dict[str, Any]:
+    """What a results file records of the machine: architecture, CPU model, the vector extensions torch's CPU
+    kernels use, threads, torch."""
+    import torch  # here, not at import: the load generators that import this module need no torch
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": threads,
+        "torch": torch.__version__,
+    }
 
 
 def free_port() -> int:

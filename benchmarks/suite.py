@@ -25,15 +25,14 @@ runs in a process of its own with `--threads` torch threads; the sweeps use the 
 larger adapter counts. Every request is greedy and held to its max_tokens (ignore_eos). Writes
 benchmarks/results/suite.json (`--out`) and prints a summary.
 
-The result file (benchmarks/report_suite.py reads it): machine {cpu, cpu_model, threads, torch}, commit (-dirty when
-tracked files differ), date, duration_s, quick, models {small, large (null when not run)}: {parameters, hidden,
-layers}; headline [{model, trace, loraplex, naive_online, peft_offline {best_batch_size, output_tokens_per_s,
+The result file (benchmarks/report_suite.py reads it): machine {cpu, cpu_model, cpu_capability, threads, torch}, commit
+(-dirty when tracked files differ), date, duration_s, quick, models {small, large (null when not run)}: {parameters,
+hidden, layers}; headline [{model, trace, loraplex, naive_online, peft_offline {best_batch_size, output_tokens_per_s,
 by_batch_size}, loraplex_over_naive, loraplex_over_peft_offline (null when the peer produced nothing)}]; sweeps
-{adapters [{num_adapters, summary, adapter_states (adapters per tier after the run)}], rank_mix [{ranks,
-num_adapters, summary}], rate [{rate, summary}], rate_capacity {concurrency, summary} (the closed-loop run the rates
-are fractions of), prefix_cache [{enabled, summary}], pool_budget [{budget_mib, unified_resident,
-padded_resident}]}; stages_s (seconds per part and asset).
-A summary is serve.py's (serve.summary_document); parts not run leave empty lists.
+{adapters [{num_adapters, summary, adapter_states (adapters per tier after the run)}], rank_mix [{ranks, num_adapters,
+summary}], rate [{rate, summary}], rate_capacity {concurrency, summary} (the closed-loop run the rates are fractions
+of), prefix_cache [{enabled, summary}], pool_budget [{budget_mib, unified_resident, padded_resident}]}; stages_s
+(seconds per part and asset). A summary is serve.py's (serve.summary_document); parts not run leave empty lists.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import platform
 import subprocess
 import tempfile
 import time
@@ -53,7 +51,7 @@ from typing import Any, TypeVar
 
 import torch
 from rich.console import Console
-from serve_launch import cpu_model
+from serve_launch import machine
 from serve_stats import Slo
 from suite_assets import (
     LARGE_SPEC,
@@ -124,15 +122,6 @@ QUICK = Sizes(
     pool_budgets_mib=(32, 128, 512),
     pool_adapters=256,
 )
-
-
-def machine(threads: int) -> dict[str, Any]:
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_model": cpu_model(),
-        "threads": threads,
-        "torch": torch.__version__,
-    }
 
 
 def commit() -> str:

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from suite import commit, machine
+from serve_launch import machine
+from suite import commit
 from suite_assets import GPU_SPEC, SMALL_SPEC
 
 from loraplex.engine.core.config import EngineConfig
