@@ -1,14 +1,16 @@
 """What the platform in front of an engine costs per request, and where it goes (issue 20, point 7).
 
 A `loraplex engine serve` of the demo model (with the reasoning settings the platform registers it with) is measured
-straight, and through the platform in front of an engine, in two setups:
+straight, and through the platform in front of an engine, in three setups:
 
 - `embedded`, as `loraplex dev` runs: SQLite, the in-process key-value store, and the platform's own in-process
   engine on the same model (so the platform and its engine share one process and its interpreter lock);
 - `services`, as a deployment runs (deploy/k8s, compose.yaml): Postgres and Redis at --database-url / --redis-url
   (the schema in a database of its own), the platform in fleet mode, and the engine it routes to is the very
   `loraplex engine serve` process measured straight, registered in the platform's Redis. The two paths then
-  differ by the control plane alone, down to the engine's state.
+  differ by the control plane alone, down to the engine's state;
+- `services_split`, the same with the engine's process on half the cores and the platform's process and the clients
+  on the others, as when the platform runs on machines of its own (which a deployment does).
 
 Two measurements:
 
@@ -23,9 +25,12 @@ Two measurements:
   chat completion of up to CHAT_TOKENS tokens, its usage in the last event: completion tokens/s, the unit a
   serving stack is sized in). Reported: each path's rate and their ratio (platform / engine).
 
-Everything runs on this machine's cores: the clients, the platform and the engine take CPU from one another.
+All of it runs on this machine. Except in `services_split`, the clients, the platform and the engine take CPU from one
+another; so each saturation window also records the CPU time each process took per request (or per 1,000 tokens):
+what the platform costs wherever it runs.
 
-    .venv/bin/python benchmarks/platform_overhead.py [--requests 150] [--setup embedded|services|both]
+    .venv/bin/python benchmarks/platform_overhead.py [--requests 150]
+        [--setup embedded|services|services_split|both|all]
         [--clients 16] [--seconds 6] [--rounds 2] [--workloads one_token,chat]
 
 writes benchmarks/results/platform_overhead.json.
