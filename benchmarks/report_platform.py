@@ -25,6 +25,10 @@ PLATFORM_STEPS = {
     "lease_release": "lease release (after the answer is sent)",
 }
 PLATFORM_WHOLE = "in_app"  # the whole request inside the platform's app: not a step
+# Spans around the steps (the handler; lookups, routing and admission; the answer): not steps either.
+PLATFORM_SPANS = ("complete", "_start", "_prepare", "_answer")
+# Steps that run after the answer has gone out: not on the request's path.
+AFTER_ANSWER = ("lease_release",)
 SETUP_WORDS = {
     "embedded": "embedded (SQLite, in-process store and engine)",
     "services": "services (Postgres, Redis, the engine in its own process)",
@@ -59,12 +63,15 @@ def platform_cpu(setup: str, saturation: dict[str, Any]) -> str:
 def platform_overhead(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
     setups = doc["setups"]
     own_work = all("platform_work_p50_ms" in setup for setup in setups.values())
+    framework = all("framework_p50_ms" in setup for setup in setups.values())
     rows = []
     for name, setup in setups.items():
         row = [setup_words(name), ms(setup["platform"]["p50_ms"]), ms(setup["engine"]["p50_ms"])]
         row.append(f"**{ms(setup['added_p50_ms'])}**")
         if own_work:
             row.append(ms(setup["platform_work_p50_ms"]))
+        if framework:
+            row.append(ms(setup["framework_p50_ms"]))
         rows.append(row)
     requests = next(iter(setups.values()))["requests"]
     lines = [
@@ -76,17 +83,19 @@ def platform_overhead(doc: dict[str, Any], results: Results, plots: Plots) -> li
     ]
     header = ["setup", "platform p50", "engine p50", "added"]
     header += ["platform's own work p50 (in its app, less the engine call)"] if own_work else []
+    header += ["of which the web framework's (routing, the key, the body, the response)"] if framework else []
     lines += table(header, rows)
     # Where the time goes, in one line: each setup's largest step of its own (the engine call aside); every step's
     # time is in the results file.
     largest = []
     for name, setup in setups.items():
-        own = {k: v for k, v in setup["steps_p50_ms"].items() if k not in (PLATFORM_WHOLE, "_collect")}
+        left_out = (PLATFORM_WHOLE, "_collect", *PLATFORM_SPANS, *AFTER_ANSWER)
+        own = {k: v for k, v in setup["steps_p50_ms"].items() if k not in left_out}
         if own:
             step = max(own, key=lambda k: own[k])
             largest.append(f"{PLATFORM_STEPS.get(step, step)}, {own[step]:.2f} ms p50 ({setup_words(name)})")
     if largest:
-        lines += ["", "Its largest step of its own: " + "; ".join(largest) + "."]
+        lines += ["", "Its largest step of its own on the request's path: " + "; ".join(largest) + "."]
     saturated = [(name, setup["saturation"]) for name, setup in setups.items() if setup.get("saturation")]
     if saturated:
         clients = next(iter(saturated[0][1].values()))["clients"]
