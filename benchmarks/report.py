@@ -236,15 +236,18 @@ def _platform_rows(doc: dict[str, Any]) -> list[Row]:
                 f"{ms(setup['platform']['p50_ms'])} against {ms(setup['engine']['p50_ms'])} straight to the engine",
             )
         )
-        for workload, saturation in (setup.get("saturation") or {}).items():
-            rate, _ = report_platform.unit_words(saturation)
+        if saturated := setup.get("saturation"):
+            words = [report_platform.WORKLOAD_WORDS.get(workload, workload) for workload in saturated]
+            rates = [
+                f"{num(t['platform'])} against {num(t['engine'])} {report_platform.unit_words(t)[0]}"
+                for t in saturated.values()
+            ]
             rows.append(
                 Row(
-                    f"{rate} at saturation through the platform / straight to the engine ({name},"
-                    f" {report_platform.WORKLOAD_WORDS.get(workload, workload)})",
-                    f"**{saturation['ratio']:.2f}**",
-                    f"{num(saturation['platform'])} against {num(saturation['engine'])} {rate},"
-                    f" {saturation['clients']} clients",
+                    f"throughput at saturation through the platform / straight to the engine ({name}:"
+                    f" {', '.join(words)})",
+                    " / ".join(f"**{t['ratio']:.2f}**" for t in saturated.values()),
+                    "; ".join(rates) + f"; {next(iter(saturated.values()))['clients']} clients",
                 )
             )
     return rows
@@ -392,13 +395,10 @@ class Page:
             "",
             "`make bench` runs the CPU suite (offline throughput, multi-LoRA, quantized weights, platform overhead,"
             " tensor parallelism, KV transfer, then the serving suite, with fewer repeats than some commands above)"
-            " and regenerates this page; its last sitting took 14 minutes on 2 cores (Intel Xeon, 2026-12-05)."
-            " `make bench-gpu` runs"
-            " scripts/bench_gpu.sh on a machine with a"
-            " CUDA GPU, and scripts/bench_tp_gpu.sh times tensor parallelism there. One benchmark alone: the command"
-            " beside its figures, then `.venv/bin/python"
-            " benchmarks/report.py`. The per-call kernel microbenchmarks (`benchmarks/attention_cpu.py`, `sgmv_cpu.py`,"
-            " `quant_cpu.py`) are investigation tools: their findings are in docs/decisions/0025, 0028 and 0036.",
+            " and regenerates this page; its last sitting took 16 minutes on 2 cores (AMD EPYC with AVX-512,"
+            " 2026-12-05). `make bench-gpu` runs scripts/bench_gpu.sh on a machine with a CUDA GPU, and"
+            " scripts/bench_tp_gpu.sh times tensor parallelism there. One benchmark alone: the command beside its"
+            " figures, then `.venv/bin/python benchmarks/report.py`.",
             "",
         ]
 
