@@ -308,35 +308,24 @@ class VllmMetrics:
         max_lora: int,
     ) -> None:
         """`max_lora`: how many distinct adapters can run at once; requests of more wait (vLLM's --max-loras)."""
-        labels = ["model_name"]
-        self.time_to_first_token = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            labels,
-            buckets=_VLLM_TTFT_BUCKETS,
-            registry=registry,
-        ).labels(model_name)
-        self.inter_token_latency = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            labels,
-            buckets=_VLLM_ITL_BUCKETS,
-            registry=registry,
-        ).labels(model_name)
-        self.queue_time = Histogram(
+
+        def histogram(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, documentation, ["model_name"], buckets=buckets, registry=registry).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _VLLM_TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _VLLM_ITL_BUCKETS
+        )
+        self.queue_time = histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
-            labels,
-            buckets=_VLLM_REQUEST_BUCKETS,
-            registry=registry,
-        ).labels(model_name)
-        self.e2e_latency = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            labels,
-            buckets=_VLLM_REQUEST_BUCKETS,
-            registry=registry,
-        ).labels(model_name)
+            _VLLM_REQUEST_BUCKETS,
+        )
+        self.e2e_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _VLLM_REQUEST_BUCKETS
+        )
         registry.register(_VllmStateCollector(state, model_name, max_lora))
 
     def record(self, record: RequestRecord) -> None:
