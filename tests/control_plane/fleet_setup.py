@@ -190,14 +190,19 @@ class Tenant:
         return f"s3://{bucket}/tenants/{self.id}/adapters/{self.adapter_id}"
 
 
-def make_tenant(platform: Platform, checkpoint: Path, folder: Path, *, base_model: str, endpoint: str) -> Tenant:
-    """A tenant with a key, a random PEFT adapter uploaded through the API, and `endpoint` over it."""
-    response = platform.post("/admin/tenants", ADMIN, json={"name": f"fleet-{secrets.token_hex(3)}"})
+def keyed_tenant(platform: Platform, prefix: str) -> tuple[str, str]:
+    """A new tenant, named `prefix`-<random>, and an API key of it: (tenant id, key)."""
+    response = platform.post("/admin/tenants", ADMIN, json={"name": f"{prefix}-{secrets.token_hex(3)}"})
     assert response.status_code == 201, response.text
     tenant_id = response.json()["id"]
     response = platform.post(f"/admin/tenants/{tenant_id}/api-keys", ADMIN, json={"name": "k"})
     assert response.status_code == 201, response.text
-    key = response.json()["key"]
+    return tenant_id, response.json()["key"]
+
+
+def make_tenant(platform: Platform, checkpoint: Path, folder: Path, *, base_model: str, endpoint: str) -> Tenant:
+    """A tenant with a key, a random PEFT adapter uploaded through the API, and `endpoint` over it."""
+    tenant_id, key = keyed_tenant(platform, "fleet")
 
     adapter_dir = make_peft_adapter(
         checkpoint, folder / "adapter", seed=1, r=8, lora_alpha=16, target_modules="all-linear"

@@ -55,6 +55,7 @@ from .fleet_setup import (
     engine_process,
     fleet_settings,
     free_ports,
+    keyed_tenant,
     make_tenant,
     platform_app,
 )
@@ -251,11 +252,7 @@ def _cached_tokens(key: str, platform: Platform) -> int:
 def test_the_prefix_cache_is_shared_within_a_tenant_only(
     engine: EngineProcess, platform: Platform, tenant: Tenant
 ) -> None:
-    response = platform.post("/admin/tenants", ADMIN, json={"name": f"other-{secrets.token_hex(3)}"})
-    assert response.status_code == 201, response.text
-    response = platform.post(f"/admin/tenants/{response.json()['id']}/api-keys", ADMIN, json={"name": "k"})
-    assert response.status_code == 201, response.text
-    other_key = response.json()["key"]
+    _, other_key = keyed_tenant(platform, "other")
 
     _cached_tokens(tenant.key, platform)
     assert _cached_tokens(tenant.key, platform) > 0
@@ -804,12 +801,7 @@ def test_a_request_every_replica_refuses_as_overloaded_is_a_503_with_the_soonest
     a plain JSON answer even for a stream (nothing was streamed), each replica tried once; billed as an error of
     zero tokens, as a request no engine could be reached for is."""
     name = stub_base_model(platform, tiny_base_checkpoint)
-    response = platform.post("/admin/tenants", ADMIN, json={"name": f"full-{secrets.token_hex(3)}"})
-    assert response.status_code == 201, response.text
-    tenant_id = response.json()["id"]
-    response = platform.post(f"/admin/tenants/{tenant_id}/api-keys", ADMIN, json={"name": "k"})
-    assert response.status_code == 201, response.text
-    key = response.json()["key"]
+    tenant_id, key = keyed_tenant(platform, "full")
     with (
         serving_stub(base_model=name, overloaded_retry_after="7") as first,
         serving_stub(base_model=name, overloaded_retry_after="3") as second,
