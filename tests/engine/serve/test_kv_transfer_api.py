@@ -87,6 +87,16 @@ def test_plain_answers_keep_openais_shape(keyed: str) -> None:
     model = client.models.list().data[0].id
     answer = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
     assert "kv_transfer_params" not in (answer.model_extra or {})
+    # The SDK's parse helper on a message of content parts, with and without a transfer asked for. A random model
+    # runs to its length limit, which parse refuses, after reading the answer into its completion.
+    parts: Any = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": " more"}]}]
+    with pytest.raises(openai.LengthFinishReasonError) as plain:
+        client.chat.completions.parse(model=model, messages=parts, max_tokens=2)
+    assert "kv_transfer_params" not in (plain.value.completion.model_extra or {})
+    transfer = {"kv_transfer_params": {"do_remote_decode": True}}
+    with pytest.raises(openai.LengthFinishReasonError) as asked:
+        client.chat.completions.parse(model=model, messages=parts, max_tokens=1, extra_body=transfer)
+    assert (asked.value.completion.model_extra or {})["kv_transfer_params"]["num_blocks"] >= 1
     raw = httpx.post(
         f"{keyed}/v1/completions",
         json={"model": model, "prompt": "hi", "max_tokens": 1},
