@@ -49,7 +49,7 @@ from engine_throughput import (
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.model.config import ModelConfig
-from loraplex.engine.model.llama import LlamaModel
+from loraplex.engine.model.decoder import DecoderModel
 from loraplex.engine.model.quant_linear import addmm, linear
 from loraplex.engine.tools.demo import BENCHMARK_SPEC, write_random_model
 
@@ -108,7 +108,7 @@ def matmul_rates(config: ModelConfig) -> dict[str, Any]:
     return rates
 
 
-def _step_matmuls_seconds(model: LlamaModel, tokens: int, logits_rows: int) -> float:
+def _step_matmuls_seconds(model: DecoderModel, tokens: int, logits_rows: int) -> float:
     """Best of three: one step's projections over `tokens` rows in every layer, then the lm_head over
     `logits_rows`, with the model's own weights (what a step of the engine multiplies)."""
     c = model.config

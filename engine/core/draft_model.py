@@ -44,8 +44,8 @@ from loraplex.engine.lora.batch import LoraBatch, LoraStep
 from loraplex.engine.lora.manager import AdapterEntry, AdapterManager, kernel_slot
 from loraplex.engine.memory.page_pool import KVLayer, PageId, PageKind, PagePool
 from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.decoder import DecoderModel
 from loraplex.engine.model.forward_batch import build_forward_batch
-from loraplex.engine.model.llama import LlamaModel
 from loraplex.engine.model.tokenizer import Tokenizer
 from loraplex.engine.model.weights import CheckpointTensors
 
@@ -58,7 +58,7 @@ class DraftModel:
 
     path: Path
     config: ModelConfig
-    model: LlamaModel
+    model: DecoderModel
     max_positions: int  # positions it computes: its own limit, capped at the target's max_model_len
 
     @classmethod
@@ -92,11 +92,8 @@ class DraftModel:
                 f"the draft model {path} has another tokenizer than the target (token {token!r} is id {token_id} in "
                 "one and not in the other): a draft must share the target's tokenizer"
             )
-        limit = config.max_position_embeddings
-        if config.sliding_window is not None:
-            limit = min(limit, config.sliding_window)  # full attention, as the target: exact only within the window
-        max_positions = min(limit, max_model_len)
-        model = LlamaModel(config, dtype=dtype, device=device, max_positions=max_positions)
+        max_positions = min(config.max_position_embeddings, max_model_len)
+        model = DecoderModel(config, dtype=dtype, device=device, max_positions=max_positions)
         model.load(CheckpointTensors(path))
         logger.info(
             "loaded draft model %s (%d layers, %.1f M parameters, %d positions)",

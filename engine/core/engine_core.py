@@ -40,7 +40,7 @@ from loraplex.engine.lora.ref import AdapterRef, LoRARequest
 from loraplex.engine.memory.kv_cache import KVCacheManager
 from loraplex.engine.memory.page_pool import PagePool, PoolUsage, kv_page_elems
 from loraplex.engine.model.config import ModelConfig
-from loraplex.engine.model.llama import LlamaModel
+from loraplex.engine.model.decoder import DecoderModel
 from loraplex.engine.model.tensor_parallel import ShardPlan
 from loraplex.engine.model.tokenizer import Tokenizer
 from loraplex.engine.model.weights import CheckpointTensors
@@ -142,7 +142,7 @@ class EngineCore:
         """Load this rank's model and make the pool, adapters, scheduler and runner (under tensor parallelism, with
         the other ranks loading and joining in step)."""
         started = time.perf_counter()
-        self.model = LlamaModel(
+        self.model = DecoderModel(
             self.model_config,
             dtype=self.dtype,
             device=self.device,
@@ -241,11 +241,7 @@ class EngineCore:
         )
 
     def _resolve_max_model_len(self) -> int:
-        c = self.model_config
-        limit = c.max_position_embeddings
-        if c.sliding_window is not None:
-            # No sliding-window attention here: cap the context where full attention is still exact.
-            limit = min(limit, c.sliding_window)
+        limit = self.model_config.max_position_embeddings
         if self.config.max_model_len is None:
             return limit
         if self.config.max_model_len > limit:
@@ -322,8 +318,12 @@ class EngineCore:
             )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise RequestError(f"priority must be an integer, got {priority!r}", param="priority")
+        long_rope = self.model.long_rope_for(len(checked.token_ids))
+        if long_rope:  # their K/V differ from the same tokens' under the short factors
+            cache_salt = f"{cache_salt or ''}\x00longrope"
         request = Request(
             request_id=request_id,
+            long_rope=long_rope,
             prompt_token_ids=list(checked.token_ids),
             sampling_params=params,
             max_tokens=checked.max_tokens,

@@ -68,6 +68,9 @@ class Request:
     priority: int = 0
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # its speculation's measured rate
     ngram_index: NgramIndex | None = None  # its tokens' n-grams, for prompt-lookup proposals (made on first use)
+    # LongRoPE checkpoints: every token of it rotates with the long factors (its prompt is past the original context;
+    # decision 0045). Its blocks are kept apart from short-factor ones in the prefix cache (by its cache salt).
+    long_rope: bool = False
 
     @property
     def is_prefilled(self) -> bool:

@@ -12,8 +12,8 @@ from loraplex.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from loraplex.engine.lora.batch import LoraCompute
 from loraplex.engine.lora.manager import kernel_slot
 from loraplex.engine.memory.page_pool import KVLayer
+from loraplex.engine.model.decoder import DecoderModel
 from loraplex.engine.model.forward_batch import ForwardBatch
-from loraplex.engine.model.llama import LlamaModel
 from loraplex.engine.parallel.group import TensorParallelGroup
 from loraplex.engine.parallel.step import HostBatch
 
@@ -32,7 +32,7 @@ class PreparedStep:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_caches: list[KVLayer],
         *,
         block_size: int,
@@ -72,9 +72,14 @@ class ModelRunner:
             [s.request.blocks.block_ids for s in scheduled],
             widths,
             [kernel_slot(s.request.adapter) for s in scheduled],
+            [s.request.long_rope for s in scheduled] if self.model.uses_long_rope else [],
         )
         batch = host.forward_batch(
-            num_kv_heads=self.model.config.num_kv_heads, block_size=self.block_size, device=self.device, lora=self.lora
+            num_kv_heads=self.model.config.num_kv_heads,
+            block_size=self.block_size,
+            device=self.device,
+            lora=self.lora,
+            max_positions=self.model.max_positions,
         )
         return PreparedStep(
             host=host,

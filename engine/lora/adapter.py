@@ -14,7 +14,14 @@ import torch
 
 from loraplex.engine.lora.adapter_config import CONFIG_FILE, LoraAdapterConfig
 from loraplex.engine.lora.adapter_files import DEFAULT_MAX_WEIGHTS_BYTES, WEIGHTS_FILE, adapter_digest, read_adapter_dir
-from loraplex.engine.lora.base_modules import BLOCK_OF, MODULES, module_key, module_shape
+from loraplex.engine.lora.base_modules import (
+    ALL_MODULES,
+    BLOCK_OF,
+    MODULES,
+    adaptable_modules,
+    module_key,
+    module_shape,
+)
 from loraplex.engine.lora.errors import (
     AdapterConfigError,
     AdapterFormatError,
@@ -25,7 +32,8 @@ from loraplex.engine.lora.errors import (
 )
 from loraplex.engine.lora.safetensors_format import TensorInfo, load_tensors, parse_safetensors
 from loraplex.engine.model.config import ModelConfig
-from loraplex.engine.model.rope import interleave_rotary_rows
+from loraplex.engine.model.decoder_weights import qkv_row_order
+from loraplex.engine.model.layers.rope import interleave_rotary_rows
 
 # adapter_digest and read_adapter_dir live in adapter_files; they are part of this module's API too.
 __all__ = [
@@ -50,7 +58,7 @@ _KEY = re.compile(
 )
 _EXAMPLE_KEY = "base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight"
 
-ModuleId = tuple[int, str]  # (layer index, module name from MODULES)
+ModuleId = tuple[int, str]  # (layer index, module name from the base's adaptable_modules)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +66,13 @@ class LoraModule:
     """One adapted linear module, ready to serve: its delta is x @ a.T @ b.T (= x @ (b @ a).T).
 
     b already carries the scaling (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA, from this module's own r
-    and alpha after rank_pattern / alpha_pattern), so serving never multiplies by it. For q_proj and k_proj, b's
-    rows are in the engine's interleaved rotary order (`interleave_rotary_rows` with num_heads, resp.
-    num_kv_heads, and head_dim), the order in which the engine stores those projections' output rows.
+    and alpha after rank_pattern / alpha_pattern), so serving never multiplies by it. For q_proj, k_proj and a fused
+    qkv_proj, b's rows are in the engine's interleaved rotary order (`interleave_rotary_rows`, `qkv_row_order`), the
+    order in which the engine stores those projections' output rows.
     """
 
     layer: int
-    module: str  # one of MODULES
+    module: str  # one of the base's adaptable_modules
     rank: int
     scaling: float
     a: torch.Tensor  # [rank, in_features]
@@ -148,10 +156,12 @@ def _pair_tensors(infos: dict[str, TensorInfo], base: ModelConfig) -> dict[Modul
                 f"{WEIGHTS_FILE} holds tensor '{shorten(name)}': {_why_not_lora(name)}", field=name
             )
         layer, block, module = int(match["layer"]), match["block"], match["module"]
-        if BLOCK_OF.get(module) != block:
+        modules = adaptable_modules(base)
+        if BLOCK_OF.get(module) != block or module not in modules:
             raise AdapterFormatError(
                 f"{WEIGHTS_FILE} holds tensor '{name}' for module '{block}.{module}', which is not one of the "
-                f"adaptable modules ({', '.join(f'{BLOCK_OF[m]}.{m}' for m in MODULES)})",
+                f"adaptable modules of this {base.architecture} base "
+                f"({', '.join(f'{BLOCK_OF[m]}.{m}' for m in modules)})",
                 field=name,
             )
         if layer >= base.num_layers:
@@ -195,13 +205,14 @@ def _check_targets(config: LoraAdapterConfig, pairs: dict[ModuleId, tuple[str, s
     targeted = {
         (layer, module)
         for layer in range(base.num_layers)
-        for module in MODULES
+        for module in adaptable_modules(base)
         if config.targets(module_key(layer, module))
     }
     if not targeted:
         raise AdapterConfigError(
             f"{CONFIG_FILE} field 'target_modules' (with exclude_modules and layers_to_transform) selects no "
-            f"module of the base model; adaptable are {', '.join(MODULES)} in layers 0 to {base.num_layers - 1}",
+            f"module of the base model; adaptable are {', '.join(adaptable_modules(base))} in layers 0 to "
+            f"{base.num_layers - 1}",
             field="target_modules",
         )
     untargeted = sorted(pairs.keys() - targeted, key=_order)
@@ -225,7 +236,7 @@ def _check_targets(config: LoraAdapterConfig, pairs: dict[ModuleId, tuple[str, s
 
 
 def _order(module_id: ModuleId) -> tuple[int, int]:
-    return module_id[0], MODULES.index(module_id[1])
+    return module_id[0], ALL_MODULES.index(module_id[1])
 
 
 def _check_module(
@@ -285,10 +296,13 @@ def _load_module(
     scaling = config.scaling_for(key)
     a = tensors[a_name].to(torch.float32)
     b = tensors[b_name].to(torch.float32) * scaling
+    rotary_dim = base.rope.rotary_dim
     if module == "q_proj":
-        b = interleave_rotary_rows(b, base.num_heads, base.head_dim)
+        b = interleave_rotary_rows(b, base.num_heads, base.head_dim, rotary_dim)
     elif module == "k_proj":
-        b = interleave_rotary_rows(b, base.num_kv_heads, base.head_dim)
+        b = interleave_rotary_rows(b, base.num_kv_heads, base.head_dim, rotary_dim)
+    elif module == "qkv_proj":
+        b = b.index_select(0, qkv_row_order(base))
     prepared = {a_name: a.to(dtype).contiguous(), b_name: b.to(dtype).contiguous()}
     for name, tensor in prepared.items():
         if not torch.isfinite(tensor).all():

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.lora import peft_matching
-from loraplex.engine.lora.base_modules import EMBEDDING_MODULES, MODULES
+from loraplex.engine.lora.base_modules import ALL_MODULES, EMBEDDING_MODULES
 from loraplex.engine.lora.errors import AdapterConfigError, AdapterFormatError, UnsupportedAdapterFeature, shorten
 
 CONFIG_FILE = "adapter_config.json"
@@ -25,7 +25,8 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_PATTERN_ENTRIES = 2048
 # Bounds the regex work of one config (see peft_matching's bound per pattern; decision 0019 has the cost).
 MAX_TOTAL_REGEX_REPEATS = 32
-# PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for llama, mistral and qwen2 (peft/utils/constants.py).
+# PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for llama, mistral, qwen2/3 and gemma
+# (peft/utils/constants.py); peft has none for phi3 (it needs target_modules there).
 DEFAULT_TARGET_MODULES = ("q_proj", "v_proj")
 # PEFT condenses a target_modules list this long into suffixes (MIN_TARGET_MODULES_FOR_OPTIMIZATION), which
 # changes how layers_to_transform applies to full module names.
@@ -286,8 +287,8 @@ class _Reader:
                     field="layers_to_transform",
                 )
             if value.lower() == "all-linear":
-                # Every linear module but the output layer: the seven projections of each decoder layer.
-                return MODULES
+                # Every linear module but the output layer: each decoder layer's projections, by any family's names.
+                return ALL_MODULES
             self.num_repeats += peft_matching.check_regex(value, "target_modules")
             return value
         names = self.names("target_modules", regex=False) or ()

@@ -1,24 +1,48 @@
-"""The linear modules of a Llama-family base model that a LoRA adapter may adapt, with their names and shapes."""
+"""The linear modules of a base model that a LoRA adapter may adapt, with their names and shapes.
+
+Most families name seven projections per decoder layer (q/k/v/o, gate/up/down); Phi-3 fuses q/k/v into `qkv_proj`
+and gate/up into `gate_up_proj` in its checkpoint, so peft's adapters on it name those four.
+"""
 
 from __future__ import annotations
 
 from loraplex.engine.model.config import ModelConfig
 
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_MODULES: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Every module name of any family, in one order (target_modules "all-linear" selects each family's own).
+ALL_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+    "down_proj",
+)
 
 # Which block each module sits in, as transformers names it (model.layers.{i}.<block>.<module>).
 BLOCK_OF: dict[str, str] = {
     "q_proj": "self_attn",
     "k_proj": "self_attn",
     "v_proj": "self_attn",
+    "qkv_proj": "self_attn",
     "o_proj": "self_attn",
     "gate_proj": "mlp",
     "up_proj": "mlp",
+    "gate_up_proj": "mlp",
     "down_proj": "mlp",
 }
 
 # Modules of the model outside the decoder layers that PEFT can target; loraplex refuses adapters on them.
 EMBEDDING_MODULES = ("model.embed_tokens", "lm_head")
+
+
+def adaptable_modules(base: ModelConfig) -> tuple[str, ...]:
+    """The module names of one decoder layer of `base`, in the order of the fused outputs they write."""
+    return FUSED_MODULES if base.fused_projections else MODULES
 
 
 def module_key(layer: int, module: str) -> str:
@@ -29,17 +53,20 @@ def module_key(layer: int, module: str) -> str:
 def module_shape(base: ModelConfig, module: str) -> tuple[int, int]:
     """(in_features, out_features) of the module's weight, so LoRA A is [rank, in] and B is [out, rank].
 
-    Raises ValueError for a name outside MODULES.
+    Raises ValueError for a name `base` does not have.
     """
     shapes = {
         "q_proj": (base.hidden_size, base.q_size),
         "k_proj": (base.hidden_size, base.kv_size),
         "v_proj": (base.hidden_size, base.kv_size),
+        "qkv_proj": (base.hidden_size, base.q_size + 2 * base.kv_size),
         "o_proj": (base.q_size, base.hidden_size),
         "gate_proj": (base.hidden_size, base.intermediate_size),
         "up_proj": (base.hidden_size, base.intermediate_size),
+        "gate_up_proj": (base.hidden_size, 2 * base.intermediate_size),
         "down_proj": (base.intermediate_size, base.hidden_size),
     }
-    if module not in shapes:
-        raise ValueError(f"unknown module {module!r}; LoRA modules are {', '.join(MODULES)}")
+    modules = adaptable_modules(base)
+    if module not in modules:
+        raise ValueError(f"unknown module {module!r}; LoRA modules of this model are {', '.join(modules)}")
     return shapes[module]

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from loraplex.engine.lora.layout import GROUPS, AdapterLayout
+from loraplex.engine.lora.layout import AdapterLayout, groups
 from loraplex.engine.memory.page_pool import PageId, PagePool
 from loraplex.engine.model.config import ModelConfig
 from loraplex.kernels import native
@@ -266,7 +266,7 @@ class LoraCompute:
         self._tables = {}
         # The model's layers, not the pool's: a draft model's adapters share a pool sized for its target's layers.
         for layer in range(self.adapters.model_config.num_layers):
-            for group, modules in GROUPS:
+            for group, modules in groups(self.adapters.model_config):
                 self._tables[(layer, group)] = self._group_table(slots, layer, group, modules)
         self._version = self.adapters.version
 

@@ -15,15 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.lora.adapter import LoraAdapter
+from loraplex.engine.lora.base_modules import module_shape
 from loraplex.engine.model.config import ModelConfig
 
-# (group name, its modules in the order of the base model's fused output columns)
-GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("qkv", ("q_proj", "k_proj", "v_proj")),
-    ("o", ("o_proj",)),
-    ("gate_up", ("gate_proj", "up_proj")),
-    ("down", ("down_proj",)),
-)
+GROUP_NAMES: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,14 +56,30 @@ class AdapterLayout:
         return max((layer.num_elems for layer in self.layers), default=0)
 
 
+def groups(config: ModelConfig) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(group name, its modules in the order of the base model's fused output columns), for this base: Phi-3's fused
+    qkv_proj and gate_up_proj each fill their whole group."""
+    if config.fused_projections:
+        return (("qkv", ("qkv_proj",)), ("o", ("o_proj",)), ("gate_up", ("gate_up_proj",)), ("down", ("down_proj",)))
+    return (
+        ("qkv", ("q_proj", "k_proj", "v_proj")),
+        ("o", ("o_proj",)),
+        ("gate_up", ("gate_proj", "up_proj")),
+        ("down", ("down_proj",)),
+    )
+
+
 def group_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, int], ...]]]:
     """group -> (in_features, ((module, out_features), ...)) for this base model."""
-    hidden, inter = config.hidden_size, config.intermediate_size
+    inputs = {
+        "qkv": config.hidden_size,
+        "o": config.q_size,
+        "gate_up": config.hidden_size,
+        "down": config.intermediate_size,
+    }
     return {
-        "qkv": (hidden, (("q_proj", config.q_size), ("k_proj", config.kv_size), ("v_proj", config.kv_size))),
-        "o": (config.q_size, (("o_proj", hidden),)),
-        "gate_up": (hidden, (("gate_proj", inter), ("up_proj", inter))),
-        "down": (inter, (("down_proj", hidden),)),
+        group: (inputs[group], tuple((module, module_shape(config, module)[1]) for module in modules))
+        for group, modules in groups(config)
     }
 
 
@@ -87,9 +98,9 @@ def layout_adapter(adapter: LoraAdapter, config: ModelConfig, page_elems: int) -
     layers: list[LayerLayout] = []
     for layer in range(config.num_layers):
         offset = 0
-        groups: dict[str, GroupPlacement] = {}
+        touched: dict[str, GroupPlacement] = {}
         pending_b: list[tuple[str, str, int, int, int, int]] = []  # group, module, rank, h_offset, start, end
-        for group, _ in GROUPS:
+        for group in shapes:
             in_features, outs = shapes[group]
             a_offset, h_offset, out_start = offset, 0, 0
             for module, out_features in outs:
@@ -99,9 +110,9 @@ def layout_adapter(adapter: LoraAdapter, config: ModelConfig, page_elems: int) -
                     h_offset += found.rank
                 out_start += out_features
             if h_offset:
-                groups[group] = GroupPlacement(group, a_offset, h_offset, in_features, ())
+                touched[group] = GroupPlacement(group, a_offset, h_offset, in_features, ())
                 offset += h_offset * in_features
-        placed: dict[str, list[ModulePlacement]] = {g: [] for g in groups}
+        placed: dict[str, list[ModulePlacement]] = {g: [] for g in touched}
         for group, module, rank, h_offset, start, end in pending_b:
             placed[group].append(ModulePlacement(module, rank, h_offset, offset, start, end))
             offset += rank * (end - start)
@@ -109,7 +120,7 @@ def layout_adapter(adapter: LoraAdapter, config: ModelConfig, page_elems: int) -
             LayerLayout(
                 groups={
                     g: GroupPlacement(p.group, p.a_offset, p.rank, p.in_features, tuple(placed[g]))
-                    for g, p in groups.items()
+                    for g, p in touched.items()
                 },
                 num_elems=offset,
             )

@@ -23,7 +23,7 @@ def shard_module(module: LoraModule, plan: ShardPlan) -> LoraModule:
     columns = plan.module_columns(module.module)
     a, b = module.a, module.b
     if rows is not None:
-        b = b[rows.start : rows.stop].contiguous()
+        b = b.index_select(0, rows.to(b.device)).contiguous()
     if columns is not None:
         a = a[:, columns.start : columns.stop].contiguous()
     return dataclasses.replace(module, a=a, b=b)

@@ -1,9 +1,13 @@
-"""What the engine needs to know about a checkpoint, read from its config.json and checked before any weight loads."""
+"""What the engine needs to know about a checkpoint, read from its config.json and checked before any weight loads.
+
+The common fields (sizes, heads, RoPE, dtype, special ids) are read here; each family's variations (norms, softcaps,
+sliding windows, fused projections) by its module through the registry (engine/model/registry.py), the one place an
+architecture is accepted or refused. The defaults of the variation fields are Llama's.
+"""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,14 +15,11 @@ from typing import Any
 import torch
 
 from loraplex.engine.errors import CheckpointError
+from loraplex.engine.model.config_fields import ConfigFields, token_ids
+from loraplex.engine.model.layers.activation import Activation
+from loraplex.engine.model.layers.norm import NormKind
+from loraplex.engine.model.layers.rope import RopeConfig
 from loraplex.engine.model.prequantized import PrequantizedFormat, read_prequantized_format
-
-# The Llama family: same block structure (RMSNorm, RoPE, GQA attention, SwiGLU MLP); Qwen2 adds q/k/v biases.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
 
 DTYPES = {
     "float32": torch.float32,
@@ -28,18 +29,8 @@ DTYPES = {
 
 
 @dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """Llama 3's frequency-dependent RoPE scaling (rope_type "llama3"); other kinds are refused at load."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: str  # llama | mistral | qwen2
+    architecture: str  # the family's label: llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -49,16 +40,30 @@ class ModelConfig:
     vocab_size: int
     max_position_embeddings: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope: RopeConfig
     tie_word_embeddings: bool
     attention_bias: bool
-    sliding_window: int | None
     torch_dtype: torch.dtype
     bos_token_id: int | None
     eos_token_ids: frozenset[int]
     # GPTQ / AWQ 4-bit layers (engine/model/prequantized.py); None for a 16/32-bit checkpoint.
     prequantized: PrequantizedFormat | None = None
+    # --- what the families vary (defaults: Llama) ---------------------------------------------------------------
+    hidden_act: Activation = "silu"
+    norm_kind: NormKind = "llama"  # gemma: weights are offsets from 1, applied in float32
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and MLP too, and a pre-MLP norm
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden)
+    query_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    layer_sliding: tuple[bool, ...] = ()  # per layer, whether it slides (empty: none does)
+    local_rope: RopeConfig | None = None  # the sliding layers' own RoPE (Gemma 3's rope_local_base_freq)
+    fused_projections: bool = False  # Phi-3: the checkpoint (and LoRA) name qkv_proj and gate_up_proj
+    # The checkpoint was saved from the bare decoder (transformers' *Model, as sentence-transformers writes it): its
+    # tensor names lack the "model." prefix and it has no lm_head of its own.
+    headless: bool = False
 
     @property
     def q_size(self) -> int:
@@ -67,6 +72,22 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None where it attends to the whole context."""
+        return self.sliding_window if self.layer_sliding and self.layer_sliding[layer] else None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(self.layer_sliding)
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -90,112 +111,69 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], path: Path | None = None) -> ModelConfig:
         """The config from config.json's fields; `path` (the model folder) is where an older GPTQ checkpoint keeps
         its quantize_config.json."""
-        architectures = raw.get("architectures") or []
-        known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
-        if not known:
-            shown = ", ".join(map(str, architectures)) or f"model_type {raw.get('model_type')!r}"
-            raise CheckpointError(
-                f"config.json field 'architectures' is {shown}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        architecture = SUPPORTED_ARCHITECTURES[known[0]]
+        from loraplex.engine.model.registry import resolve  # the registry imports the families, which import this
 
-        hidden_size = _positive_int(raw, "hidden_size")
-        num_heads = _positive_int(raw, "num_attention_heads")
-        num_kv_heads = _positive_int(raw, "num_key_value_heads", default=num_heads)
+        family, label, headless = resolve(raw)
+        fields = ConfigFields(raw)
+        hidden_size = fields.positive_int("hidden_size")
+        num_heads = fields.positive_int("num_attention_heads")
+        num_kv_heads = fields.positive_int("num_key_value_heads", default=num_heads)
         if num_heads % num_kv_heads:
             raise CheckpointError(
                 f"config.json: num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
         head_dim = raw.get("head_dim") or hidden_size // num_heads
-        if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0 or head_dim % 2:
             raise CheckpointError("config.json field 'head_dim' must be a positive even integer")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(
-                f"config.json field 'hidden_act' is {raw.get('hidden_act')!r}; only 'silu' is supported"
-            )
         if raw.get("mlp_bias"):
             raise CheckpointError("config.json field 'mlp_bias' is true; MLP biases are not supported")
-
         dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         if dtype_name not in DTYPES:
             raise CheckpointError(f"config.json field 'torch_dtype' is {dtype_name!r}; supported: {', '.join(DTYPES)}")
+        common: dict[str, Any] = {
+            "architecture": label,
+            "hidden_size": hidden_size,
+            "num_layers": fields.positive_int("num_hidden_layers"),
+            "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "intermediate_size": fields.positive_int("intermediate_size"),
+            "vocab_size": fields.positive_int("vocab_size"),
+            "max_position_embeddings": fields.positive_int("max_position_embeddings", default=2048),
+            "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+            "tie_word_embeddings": fields.flag("tie_word_embeddings"),
+            "attention_bias": fields.flag("attention_bias"),
+            "torch_dtype": DTYPES[dtype_name],
+            "bos_token_id": raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+            "eos_token_ids": token_ids(raw.get("eos_token_id")),
+            "prequantized": read_prequantized_format(path, raw),
+            "headless": headless,
+        }
+        common.update(family.read(fields, common))
+        if "rope" not in common:
+            common["rope"] = fields.rope(head_dim)
+        config = cls(**common)
+        config._check_windows()
+        return config
 
-        attention_bias = bool(raw.get("attention_bias", architecture == "qwen2"))
-        # transformers 5 writes rope_theta and the scaling together as rope_parameters; 4.x wrote them apart.
-        rope_parameters = raw.get("rope_parameters") or {}
-        if not isinstance(rope_parameters, dict):
-            raise CheckpointError("config.json field 'rope_parameters' must be an object")
-        sliding_window = raw.get("sliding_window") if raw.get("use_sliding_window", architecture == "mistral") else None
-        return cls(
-            architecture=architecture,
-            hidden_size=hidden_size,
-            num_layers=_positive_int(raw, "num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            intermediate_size=_positive_int(raw, "intermediate_size"),
-            vocab_size=_positive_int(raw, "vocab_size"),
-            max_position_embeddings=_positive_int(raw, "max_position_embeddings", default=2048),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta") or rope_parameters.get("rope_theta") or 10000.0),
-            rope_scaling=_rope_scaling(raw["rope_scaling"] if raw.get("rope_scaling") else rope_parameters or None),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            sliding_window=int(sliding_window) if isinstance(sliding_window, int) else None,
-            torch_dtype=DTYPES[dtype_name],
-            bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
-            eos_token_ids=_token_ids(raw.get("eos_token_id")),
-            prequantized=read_prequantized_format(path, raw),
-        )
+    def _check_windows(self) -> None:
+        if self.layer_sliding and len(self.layer_sliding) != self.num_layers:
+            raise CheckpointError("config.json: one layer type per layer is needed")
+        if self.has_sliding_layers and self.sliding_window is None:
+            raise CheckpointError("config.json: 'layer_types' names sliding layers but 'sliding_window' is not set")
 
     def num_parameters(self) -> int:
+        qk_norms = 2 * self.head_dim if self.qk_norm else 0
+        norms = (4 if self.sandwich_norms else 2) * self.hidden_size
         per_layer = (
             self.hidden_size * (self.q_size + 2 * self.kv_size)
             + self.q_size * self.hidden_size
             + 3 * self.hidden_size * self.intermediate_size
-            + 2 * self.hidden_size
+            + norms
+            + qk_norms
         )
         if self.attention_bias:
             per_layer += self.q_size + 2 * self.kv_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings or self.headless else 2)
         return self.num_layers * per_layer + embeddings + self.hidden_size
-
-
-def _positive_int(raw: dict[str, Any], name: str, *, default: int | None = None) -> int:
-    value = raw.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise CheckpointError(f"config.json field '{name}' must be a positive integer, got {value!r}")
-    return value
-
-
-def _token_ids(value: object) -> frozenset[int]:
-    if isinstance(value, int):
-        return frozenset({value})
-    if isinstance(value, list):
-        return frozenset(v for v in value if isinstance(v, int))
-    return frozenset()
-
-
-def _rope_scaling(value: object) -> RopeScaling | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise CheckpointError("config.json field 'rope_scaling' must be an object or null")
-    kind = value.get("rope_type", value.get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise CheckpointError(f"config.json field 'rope_scaling' has type {kind!r}; only 'llama3' is supported")
-    try:
-        scaling = RopeScaling(
-            factor=float(value["factor"]),
-            low_freq_factor=float(value["low_freq_factor"]),
-            high_freq_factor=float(value["high_freq_factor"]),
-            original_max_position_embeddings=int(value["original_max_position_embeddings"]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"config.json field 'rope_scaling' is missing or has a bad {exc}") from None
-    if not (scaling.factor > 0 and math.isfinite(scaling.factor)):
-        raise CheckpointError("config.json field 'rope_scaling.factor' must be positive")
-    return scaling

@@ -45,6 +45,9 @@ class ForwardBatch:
     max_query_len: int
     max_seq_len: int
     lora: LoraDelta | None = None  # the step's adapters; None when no row has one
+    # [num_tokens] int64: the row of the RoPE table token i rotates by, where it is not its position: LongRoPE's
+    # long-factor sequences look up position + max_positions (RotaryEmbedding); None: every token its position.
+    rope_positions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,13 +65,16 @@ def build_forward_batch(
     kv_rows: KVRows,
     device: torch.device,
     lora: LoraDelta | None = None,
+    long_rope: np.ndarray | None = None,
+    max_positions: int = 0,
 ) -> ForwardBatch:
     """The ForwardBatch of sequences that each compute query_lens[s] new tokens after the starts[s] their cache holds.
 
     input_ids: [sum(query_lens)] the new tokens, sequence after sequence; starts, query_lens: [num_seqs] int64;
     block_ids[s]: sequence s's pages, in order, covering its tokens after this forward; logits_widths: [num_seqs]
-    int64, how many of sequence s's last token rows get logits (0: none), in sequence order. Host metadata is
-    computed with numpy over whole sequences (never token by token) and moved to the device once.
+    int64, how many of sequence s's last token rows get logits (0: none), in sequence order; long_rope: [num_seqs]
+    bool, the sequences that take LongRoPE's long factors (their tokens look up position + max_positions). Host
+    metadata is computed with numpy over whole sequences (never token by token) and moved to the device once.
     """
     num_seqs = len(block_ids)
     seq_lens = starts + query_lens
@@ -92,6 +98,9 @@ def build_forward_batch(
     def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
 
+    rope_positions = None
+    if long_rope is not None and long_rope.any():
+        rope_positions = to_device(positions + long_rope[seq_of_token] * max_positions, torch.int64)
     k_rows, v_rows = kv_rows(to_device(slot_block_ids, torch.int64), to_device(slot_offsets, torch.int64))
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -105,4 +114,5 @@ def build_forward_batch(
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
         lora=lora,
+        rope_positions=rope_positions,
     )

@@ -144,16 +144,20 @@ class ShardPlan:
         rows = torch.arange(cols.start, cols.stop)
         return torch.cat([rows, self.full.intermediate_size + rows])
 
-    def module_rows(self, module: str) -> range | None:
-        """Output rows of one unfused module (a LoRA B) this rank keeps; None for the row-parallel ones (o, down),
-        whose outputs every rank keeps whole."""
+    def module_rows(self, module: str) -> torch.Tensor | None:
+        """Output rows of one module (a LoRA B) this rank keeps; None for the row-parallel ones (o, down), whose
+        outputs every rank keeps whole. A fused module (Phi-3's qkv_proj, gate_up_proj) keeps its fused rows'."""
         d = self.full.head_dim
         if module == "q_proj":
-            return range(self.heads.start * d, self.heads.stop * d)
+            return torch.arange(self.heads.start * d, self.heads.stop * d)
         if module in ("k_proj", "v_proj"):
-            return range(self.kv_heads.start * d, self.kv_heads.stop * d)
+            return torch.arange(self.kv_heads.start * d, self.kv_heads.stop * d)
         if module in ("gate_proj", "up_proj"):
-            return self.mlp_columns
+            return torch.arange(self.mlp_columns.start, self.mlp_columns.stop)
+        if module == "qkv_proj":
+            return self.qkv_rows()
+        if module == "gate_up_proj":
+            return self.gate_up_rows()
         return None
 
     def module_columns(self, module: str) -> range | None:

@@ -35,9 +35,16 @@ class HostBatch:
     block_ids: Sequence[Sequence[int]]  # [num_seqs][blocks] its pages after the forward
     logits_widths: np.ndarray  # [num_seqs] int64: how many of its last rows get logits
     adapter_slots: list[int]  # [num_seqs] its adapter's slot, -1 for none; sequences of one slot are adjacent
+    long_rope: list[bool] = field(default_factory=list)  # [num_seqs] takes LongRoPE's long factors; empty: none does
 
     def forward_batch(
-        self, *, num_kv_heads: int, block_size: int, device: torch.device, lora: LoraCompute | None
+        self,
+        *,
+        num_kv_heads: int,
+        block_size: int,
+        device: torch.device,
+        lora: LoraCompute | None,
+        max_positions: int = 0,
     ) -> ForwardBatch:
         """The ForwardBatch of these inputs on one rank (its KV heads, its adapter pages)."""
         segments = LoraBatch.tile(self.adapter_slots, self.query_lens.tolist(), device) if lora is not None else None
@@ -51,6 +58,8 @@ class HostBatch:
             kv_rows=partial(kv_rows, num_kv_heads=num_kv_heads, block_size=block_size),
             device=device,
             lora=LoraStep(lora, segments) if lora is not None and segments else None,
+            long_rope=np.asarray(self.long_rope, dtype=np.int64) if any(self.long_rope) else None,
+            max_positions=max_positions,
         )
 
 
@@ -100,6 +109,7 @@ def encode_step(message: StepMessage) -> bytes:
         "block_ids": [list(ids) for ids in batch.block_ids],
         "logits_widths": batch.logits_widths.tolist(),
         "adapter_slots": batch.adapter_slots,
+        "long_rope": batch.long_rope,
         "events": events,
     }
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -130,6 +140,7 @@ def decode_step(data: bytes) -> StepMessage:
         header["block_ids"],
         array("logits_widths"),
         header["adapter_slots"],
+        header["long_rope"],
     )
     return StepMessage(batch, events)
 

@@ -34,7 +34,7 @@ from loraplex.engine.lora.layout import AdapterLayout, group_columns
 from loraplex.engine.lora.manager import run_base, write_pages
 from loraplex.engine.memory.page_pool import KVLayer, PageId, PagePool, kv_page_elems
 from loraplex.engine.model.config import ModelConfig
-from loraplex.engine.model.llama import LlamaModel
+from loraplex.engine.model.decoder import DecoderModel
 from loraplex.engine.model.quantization import QuantizationName
 from loraplex.engine.model.tensor_parallel import ShardPlan
 from loraplex.engine.model.weights import CheckpointTensors
@@ -151,7 +151,7 @@ def run_worker(settings: str, conn: Connection) -> None:
 class _Shard:
     """One rank's model, pool and adapters, ready to run forwards."""
 
-    model: LlamaModel
+    model: DecoderModel
     kv_caches: list[KVLayer]
     adapters: AdapterReplica
     lora: LoraCompute
@@ -168,7 +168,7 @@ class _Shard:
         path = Path(init.model)
         config = ModelConfig.from_dir(path)
         comm = ProcessGroupCommunicator(init.rank, init.size, init.backend)
-        model = LlamaModel(
+        model = DecoderModel(
             config,
             dtype=getattr(torch, init.dtype),
             device=device,
@@ -209,7 +209,11 @@ class _Shard:
         """One forward, as rank 0 runs it; the logits go to rank 0 inside compute_logits."""
         self.adapters.apply(message.adapter_events)
         batch = message.batch.forward_batch(
-            num_kv_heads=self.model.config.num_kv_heads, block_size=self.block_size, device=self.device, lora=self.lora
+            num_kv_heads=self.model.config.num_kv_heads,
+            block_size=self.block_size,
+            device=self.device,
+            lora=self.lora,
+            max_positions=self.model.max_positions,
         )
         hidden = self.model.forward(batch, self.kv_caches)
         self.model.compute_logits(hidden[batch.logits_indices])

@@ -36,7 +36,64 @@ VARIANTS: dict[str, dict[str, Any]] = {
         },
     },
     "mistral": {"arch": "mistral", "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None},
+    # Mistral v0.1: a sliding window over every layer, shorter than the test prompts.
+    "mistral-window": {"arch": "mistral", "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 24},
+    # Qwen3: per-head q/k norms, a head_dim of its own (32, where hidden / heads is 16).
+    "qwen3": {"arch": "qwen3", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+    # Gemma 2: (1 + w) norms, sandwich norms, GELU-tanh, query_pre_attn_scalar, alternating sliding and global
+    # layers, soft-capped scores and logits (small caps, so that the random model's values reach them), tied.
+    "gemma2": {
+        "arch": "gemma2",
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 24,
+        "attn_logit_softcapping": 3.0,
+        "final_logit_softcapping": 4.0,
+    },
+    # Gemma 3 (text): q/k norms, sliding layers with their own RoPE base, linear-scaled RoPE on the global one.
+    "gemma3": {
+        "arch": "gemma3",
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_local_base_freq": 10000.0,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    },
+    # Phi-3: fused qkv_proj and gate_up_proj, LongRoPE past 64 positions.
+    "phi3": {
+        "arch": "phi3",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "original_max_position_embeddings": 64,
+        "pad_token_id": None,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [1.0 + 2.0 * i for i in range(8)],
+        },
+    },
+    # Phi-4-mini: partial rotary (half of each head rotates), tied embeddings, and a sliding window.
+    "phi3-partial": {
+        "arch": "phi3",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "partial_rotary_factor": 0.5,
+        "pad_token_id": None,
+        "tie_word_embeddings": True,
+        "sliding_window": 40,
+    },
 }
+
+# The variants whose every path the new-family tests run (tests/engine/model/test_families.py).
+FAMILY_VARIANTS = ("qwen3", "gemma2", "gemma3", "phi3", "phi3-partial", "mistral-window")
 
 
 def make_checkpoint(
@@ -45,12 +102,20 @@ def make_checkpoint(
     """Write a random checkpoint of `variant` (and a tokenizer) into `path` with transformers; `overrides` are
     config fields that replace the variant's (hidden_size=256, say)."""
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     from loraplex.engine.tools.demo import write_tokenizer
@@ -61,6 +126,10 @@ def make_checkpoint(
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
     }[arch]
     fields: dict[str, Any] = {
         "hidden_size": 64,

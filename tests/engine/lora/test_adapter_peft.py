@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load, save
 
 from loraplex.engine.lora import MODULES, LoraAdapter, module_shape, parse_adapter, read_adapter_dir
-from loraplex.engine.model.rope import interleave_rotary_rows
+from loraplex.engine.model.layers.rope import interleave_rotary_rows
 
 # The fixtures' types (tests/engine/lora/conftest.py); conftest modules cannot be imported by name here.
 Base = Any

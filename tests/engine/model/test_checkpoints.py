@@ -48,8 +48,8 @@ def test_unsupported_architecture(folder: Path) -> None:
         ("hidden_act", "gelu", "'hidden_act'"),
         (
             "rope_parameters",
-            {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0},
-            "'rope_scaling' has type 'yarn'",
+            {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+            "'rope_scaling' has type 'dynamic'",
         ),
         ("torch_dtype", "float8", "'torch_dtype'"),
     ],

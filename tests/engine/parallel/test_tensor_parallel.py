@@ -5,7 +5,6 @@ biases, and tied embeddings (a vocabulary-parallel lm_head)."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,14 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from _support.checkpoints import VOCAB
-from _support.recording import Recorder
+from _support.engine_runs import ATOL, assert_same_runs, decode_run, prefill_logits
 
-from loraplex.engine import LLM, SamplingParams
-from loraplex.engine.core.runner import PreparedStep
+from loraplex.engine import LLM
 
 pytestmark = pytest.mark.unit
-
-ATOL = 1e-4
 
 
 def _llm(path: Path, size: int, **options: object) -> LLM:
@@ -39,45 +35,6 @@ def engines() -> Iterator[Callable[..., LLM]]:
     yield make
     for llm in made:
         llm.close()
-
-
-def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """Logits [len(prompt), vocab] at every position of one prefill, through the engine's own step path (so under
-    tensor parallelism the other ranks run it too and rank 0 gathers the vocabulary)."""
-    core = llm.engine
-    core.add_request("prefill", prompt, SamplingParams(temperature=0, max_tokens=1))
-    prepared = core.runner.prepare(core.scheduler.schedule())
-    host = dataclasses.replace(prepared.host, logits_widths=prepared.host.query_lens.copy())
-    batch = host.forward_batch(
-        num_kv_heads=core.model.config.num_kv_heads,
-        block_size=core.config.block_size,
-        device=core.device,
-        lora=core.runner.lora,
-    )
-    logits = core.runner.execute(PreparedStep(host, batch, [], [], [0]))
-    core.abort_request("prefill")
-    return logits
-
-
-def decode_run(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """Greedy tokens and every step's logits of a batch of prompts."""
-    recorders = [Recorder() for _ in prompts]
-    params = [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logits_processors=[r])
-        for n, r in zip(max_tokens, recorders, strict=True)
-    ]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [(o.outputs[0].token_ids, r.steps) for o, r in zip(outputs, recorders, strict=True)]
-
-
-def assert_same_runs(
-    ours: list[tuple[list[int], list[torch.Tensor]]], reference: list[tuple[list[int], list[torch.Tensor]]]
-) -> None:
-    for row, ((tokens, steps), (ref_tokens, ref_steps)) in enumerate(zip(ours, reference, strict=True)):
-        assert tokens == ref_tokens, f"row {row}: greedy tokens differ"
-        assert len(steps) == len(ref_steps) == len(tokens)
-        for k, (a, b) in enumerate(zip(steps, ref_steps, strict=True)):
-            torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m, k=k, row=row: f"row {row} step {k}: {m}")
 
 
 @pytest.mark.parametrize(
