@@ -12,15 +12,22 @@ Semantics (the reference loop; `paged_attention_torch` and the Triton kernel bot
         L = seq_lens[i]                                   # includes this step's q_len tokens
         for j in range(q_len):
             p = L - q_len + j                             # absolute position of query j
+            first = 0 if sliding_window is None else max(0, p - sliding_window + 1)
             for h in range(num_heads):
                 kv_h = h // group
-                keys = [k_cache[block_tables[i, t // block_size], kv_h, t % block_size] for t in range(p + 1)]
-                values = [v_cache[block_tables[i, t // block_size], kv_h, t % block_size] for t in range(p + 1)]
-                w = softmax([scale * dot(q[query_start_loc[i] + j, h], k) for k in keys])  # in float32
+                seen = range(first, p + 1)
+                keys = [k_cache[block_tables[i, t // block_size], kv_h, t % block_size] for t in seen]
+                values = [v_cache[block_tables[i, t // block_size], kv_h, t % block_size] for t in seen]
+                s = [scale * dot(q[query_start_loc[i] + j, h], k) for k in keys]  # in float32
+                if softcap is not None:
+                    s = [softcap * tanh(s_t / softcap) for s_t in s]
+                w = softmax(s)
                 out[query_start_loc[i] + j, h] = sum(w_t * v_t for w_t, v_t in zip(w, values))  # cast to q.dtype
 
 Slots past a sequence's length and padding entries of `block_tables` may hold anything, NaN included (pool
-pages are not cleared), without changing the result.
+pages are not cleared), without changing the result. With a sliding window, the entries of blocks that lie wholly
+before the window of the sequence's first query of the step may be NO_PAGE (-1): their pages went back to the pool
+(engine/memory/kv_groups.py), and no path reads them.
 
 `paged_attention` dispatches: the Triton kernel for CUDA tensors, the torch path otherwise.
 """
@@ -28,6 +35,8 @@ pages are not cleared), without changing the result.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +74,8 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], q's dtype
+    sliding_window: int | None = None,  # keys a query sees, itself included; None: its whole context
+    softcap: float | None = None,  # scores become softcap * tanh(score / softcap) (Gemma 2)
 ) -> torch.Tensor:
     """Attention of this step's queries over their sequences' paged KV cache; see the module docstring.
 
@@ -72,10 +83,15 @@ def paged_attention(
     device tensor to size its work. Returns `out` (allocated when not given), dtype of `q`.
     """
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    if q.is_cuda:
-        return paged_attention_triton(*args, scale=scale, max_query_len=max_query_len, max_seq_len=max_seq_len, out=out)
-    return paged_attention_torch(
-        *args, scale=scale, max_query_len=max_query_len, max_seq_len=max_seq_len, out=out, native=native.load()
+    path = paged_attention_triton if q.is_cuda else partial(paged_attention_torch, native=native.load())
+    return path(
+        *args,
+        scale=scale,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        out=out,
+        sliding_window=sliding_window,
+        softcap=softcap,
     )
 
 
@@ -89,8 +105,14 @@ def _check_inputs(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None,
+    sliding_window: int | None,
+    softcap: float | None,
 ) -> None:
     """Raise ValueError on any shape, dtype or device mismatch; values are not read (that would sync)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4:
@@ -151,6 +173,8 @@ def paged_attention_torch(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], q's dtype
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     native: bool = False,
 ) -> torch.Tensor:
     """The vectorized torch path that CPU serving runs; same semantics as the module docstring.
@@ -158,24 +182,38 @@ def paged_attention_torch(
     native: decode rows of float32 go to the native operator (kernels/native.py; the caller checked it is loaded),
     which reads K and V in place in one pass instead of gathering them; everything else stays in torch.
 
-    Decode sequences (q_len == 1) run together in one ragged pass over only the blocks they use. The other
-    sequences run in a few padded scaled_dot_product_attention calls, each over sequences of similar query
-    and context length. benchmarks/attention_cpu.py times it (decision 0019 lists the alternatives it beat). It
-    reads the small metadata tensors on the host, which on CUDA would synchronize: CUDA callers want the Triton
-    kernel.
+    Decode sequences (q_len == 1) run together in one ragged pass over only the blocks they use (with a window,
+    only the blocks inside it). The other sequences run in a few padded scaled_dot_product_attention calls, each
+    over sequences of similar query and context length (a soft-capped model's in a matmul-softmax-matmul of its
+    own: SDPA has no soft cap). benchmarks/attention_cpu.py times it (decision 0019 lists the alternatives it
+    beat). It reads the small metadata tensors on the host, which on CUDA would synchronize: CUDA callers want the
+    Triton kernel.
     """
-    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, out)
+    _check_inputs(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        max_seq_len,
+        out,
+        sliding_window,
+        softcap,
+    )
     if out is None:
         out = torch.empty_like(q)
     if block_tables.shape[0] == 0 or q.shape[0] == 0:
         return out
+    variant = _Variant(sliding_window, softcap)
     starts = query_start_loc[:-1].long()
     q_lens = query_start_loc[1:].long() - starts
     ctx_lens = seq_lens.long()
     max_blocks = min(block_tables.shape[1], math.ceil(max_seq_len / k_cache.shape[2]))
     decode = _decode_native if native and _native_fits(q, k_cache, v_cache, out) else _decode
     if max_query_len == 1:
-        decode(q, k_cache, v_cache, block_tables, ctx_lens, starts, scale, max_blocks, out)
+        decode(q, k_cache, v_cache, block_tables, ctx_lens, starts, scale, max_blocks, variant, out)
         return out
     is_decode = q_lens == 1
     decode_ids = torch.nonzero(is_decode).squeeze(1)
@@ -189,16 +227,21 @@ def paged_attention_torch(
             starts.index_select(0, decode_ids),
             scale,
             max_blocks,
+            variant,
             out,
         )
     prefill_ids = torch.nonzero(~is_decode).squeeze(1)
     if prefill_ids.numel() == 0:
         return out
-    # Longest context first, so that each bucket's first sequence fixes its padded context length.
-    prefill_ids = prefill_ids[torch.argsort(ctx_lens.index_select(0, prefill_ids), descending=True, stable=True)]
-    ctx_list = ctx_lens.index_select(0, prefill_ids).tolist()
+    # Longest context first, so that each bucket's first sequence fixes its padded context length. With a window a
+    # sequence's keys start at its first query's window, so its span, not its length, is its context.
+    first_keys = _first_key_blocks(ctx_lens - q_lens, k_cache.shape[2], sliding_window) * k_cache.shape[2]
+    spans = ctx_lens - first_keys
+    prefill_ids = prefill_ids[torch.argsort(spans.index_select(0, prefill_ids), descending=True, stable=True)]
+    span_list = spans.index_select(0, prefill_ids).tolist()
     rows_list = q_lens.index_select(0, prefill_ids).tolist()
-    for members in _plan_buckets(ctx_list, rows_list):
+    ctx_list = ctx_lens.index_select(0, prefill_ids).tolist()
+    for members in _plan_buckets(span_list, rows_list):
         ids = prefill_ids[members]
         _prefill_bucket(
             q,
@@ -208,13 +251,36 @@ def paged_attention_torch(
             starts.index_select(0, ids),
             q_lens.index_select(0, ids),
             ctx_lens.index_select(0, ids),
+            first_keys.index_select(0, ids),
             scale,
             max(rows_list[m] for m in members),
-            ctx_list[members[0]],
+            span_list[members[0]],
             all(rows_list[m] == ctx_list[m] for m in members),
+            variant,
             out,
         )
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Variant:
+    """What a layer's attention adds to plain causal softmax attention."""
+
+    window: int | None  # keys a query sees, itself included
+    softcap: float | None
+
+    def cap(self, scores: torch.Tensor) -> torch.Tensor:
+        """Soft-cap float32 scores in place (a no-op without a cap)."""
+        if self.softcap is not None:
+            scores.div_(self.softcap).tanh_().mul_(self.softcap)
+        return scores
+
+
+def _first_key_blocks(first_positions: torch.Tensor, block_size: int, window: int | None) -> torch.Tensor:
+    """[n] int64: the first block a query at `first_positions` (or later) of each sequence reads."""
+    if window is None:
+        return torch.zeros_like(first_positions)
+    return (first_positions - window + 1).clamp(min=0) // block_size
 
 
 def _plan_buckets(ctx_lens: list[int], q_lens: list[int]) -> list[list[int]]:
@@ -248,6 +314,7 @@ def _decode(
     tokens: torch.Tensor,  # [n] int64: each sequence's single query row in q
     scale: float,
     max_blocks: int,  # upper bound on blocks per sequence
+    variant: _Variant,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
 ) -> None:
     """One query per sequence, over exactly the blocks each sequence uses (no padding to the longest).
@@ -262,7 +329,12 @@ def _decode(
     group = q.shape[1] // num_kv_heads
     device = q.device
     num_blocks = (ctx_lens + block_size - 1) // block_size  # [n]
-    used = torch.arange(max_blocks, device=device) < num_blocks[:, None]  # [n, max_blocks]
+    grid = torch.arange(max_blocks, device=device)
+    used = grid < num_blocks[:, None]  # [n, max_blocks]
+    first_key = torch.zeros_like(ctx_lens)
+    if variant.window is not None:
+        first_key = (ctx_lens - variant.window).clamp(min=0)  # the query sits at ctx_len - 1
+        used &= grid >= (first_key // block_size)[:, None]
     flat = torch.nonzero(used.view(-1)).squeeze(1)  # [nb]: index into the [n * max_blocks] grid
     owner = flat // max_blocks  # [nb]: sequence of each gathered block
     block_ids = block_tables[:, :max_blocks].reshape(-1).index_select(0, flat).long()
@@ -271,9 +343,11 @@ def _decode(
     queries = q.index_select(0, tokens).float().view(n, num_kv_heads, group, head_dim).index_select(0, owner)
 
     scores = torch.matmul(queries, keys.transpose(-1, -2))  # [nb, kv_heads, group, block_size]
-    scores.mul_(scale)
+    variant.cap(scores.mul_(scale))
     positions = (flat % max_blocks)[:, None] * block_size + torch.arange(block_size, device=device)
     valid = positions < ctx_lens.index_select(0, owner)[:, None]  # [nb, block_size]
+    if variant.window is not None:
+        valid &= positions >= first_key.index_select(0, owner)[:, None]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     # Per-sequence max over its blocks: scatter the per-block maxima into the padded grid, reduce there.
     block_max = torch.full((n * max_blocks, num_kv_heads, group), float("-inf"), device=device)
@@ -309,12 +383,22 @@ def _decode_native(
     tokens: torch.Tensor,
     scale: float,
     max_blocks: int,
+    variant: _Variant,
     out: torch.Tensor,
 ) -> None:
     """_decode's arguments, computed by the native operator (torch.ops.loraplex_cpu.decode_attention)."""
     del max_blocks  # the operator reads each sequence's own block count
     torch.ops.loraplex_cpu.decode_attention(
-        q.contiguous(), k_cache, v_cache, block_tables.contiguous(), ctx_lens, tokens, scale, out
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables.contiguous(),
+        ctx_lens,
+        tokens,
+        scale,
+        variant.window or 0,
+        variant.softcap or 0.0,
+        out,
     )
 
 
@@ -326,20 +410,26 @@ def _prefill_bucket(
     starts: torch.Tensor,  # [n] int64: first query row of each sequence in q
     q_lens: torch.Tensor,  # [n] int64
     ctx_lens: torch.Tensor,  # [n] int64
+    first_keys: torch.Tensor,  # [n] int64: position of each sequence's first gathered key (a block start)
     scale: float,
     max_rows: int,  # max of q_lens
-    max_ctx: int,  # max of ctx_lens
+    max_span: int,  # max of ctx_lens - first_keys
     fresh: bool,  # every sequence has q_len == seq_len: causal from position 0
+    variant: _Variant,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
 ) -> None:
-    """One SDPA call over sequences padded to [max_rows] queries and [max_ctx rounded to blocks] keys."""
+    """One SDPA call over sequences padded to [max_rows] queries and [max_span rounded to blocks] keys."""
     n = ctx_lens.shape[0]
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     num_heads = q.shape[1]
     device = q.device
-    num_blocks = math.ceil(max_ctx / block_size)
+    num_blocks = math.ceil(max_span / block_size)
     width = num_blocks * block_size
-    block_ids = block_tables[:, :num_blocks].reshape(-1).long()
+    columns = (first_keys // block_size)[:, None] + torch.arange(num_blocks, device=device)
+    columns.clamp_(max=block_tables.shape[1] - 1)  # past a sequence's end: any page, its keys are stale below
+    block_ids = block_tables.gather(1, columns).view(-1).long()
+    if variant.window is not None:
+        block_ids.clamp_(min=0)  # a NO_PAGE column past the end of a short sequence's span reads page 0, zeroed
     # Kv-head-major, so that each (sequence, kv head) is a contiguous [width, head_dim] matrix: one copy.
     # (index_select on a transposed cache would first copy the whole pool; a slice per head does not.)
     keys = torch.empty(num_kv_heads, n * num_blocks, block_size, head_dim, dtype=k_cache.dtype, device=device)
@@ -348,7 +438,7 @@ def _prefill_bucket(
         torch.index_select(k_cache[:, h], 0, block_ids, out=keys[h])
         torch.index_select(v_cache[:, h], 0, block_ids, out=values[h])
     # Positions past a sequence's length may hold NaN, which a -inf mask would not hide from SDPA.
-    key_pos = torch.arange(width, device=device)
+    key_pos = first_keys[:, None] + torch.arange(width, device=device)  # [n, width]
     stale = torch.nonzero((key_pos >= ctx_lens[:, None]).view(-1)).squeeze(1)
     keys.view(num_kv_heads, n * width, head_dim).index_fill_(1, stale, 0.0)
     values.view(num_kv_heads, n * width, head_dim).index_fill_(1, stale, 0.0)
@@ -360,17 +450,43 @@ def _prefill_bucket(
     queries = q.index_select(0, tokens.view(-1)).view(n, max_rows, num_heads, head_dim).transpose(1, 2)
     keys_t = keys.view(num_kv_heads, n, width, head_dim).transpose(0, 1)  # [n, kv_heads, width, head_dim]
     values_t = values.view(num_kv_heads, n, width, head_dim).transpose(0, 1)
-    if fresh:
+    if fresh and variant.window is None and variant.softcap is None:
         # Query j sits at position j: SDPA's top-left causal mask is exact, no mask tensor needed.
         result = F.scaled_dot_product_attention(queries, keys_t, values_t, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        query_pos = (ctx_lens - q_lens)[:, None] + row  # [n, max_rows]
-        allowed = key_pos[None, None, :] <= query_pos[:, :, None]  # [n, max_rows, width]
-        result = F.scaled_dot_product_attention(
-            queries, keys_t, values_t, attn_mask=allowed[:, None], scale=scale, enable_gqa=True
-        )
+        query_pos = (ctx_lens - q_lens)[:, None] + torch.minimum(row, q_lens[:, None] - 1)  # [n, max_rows]
+        allowed = key_pos[:, None, :] <= query_pos[:, :, None]  # [n, max_rows, width]
+        if variant.window is not None:
+            allowed &= key_pos[:, None, :] > query_pos[:, :, None] - variant.window
+        if variant.softcap is None:
+            result = F.scaled_dot_product_attention(
+                queries, keys_t, values_t, attn_mask=allowed[:, None], scale=scale, enable_gqa=True
+            )
+        else:
+            result = _capped_attention(queries, keys_t, values_t, allowed, scale, variant).to(q.dtype)
     result = result.transpose(1, 2)  # [n, max_rows, num_heads, head_dim]
     out.index_copy_(0, tokens[row_valid], result[row_valid].to(out.dtype))
+
+
+def _capped_attention(
+    queries: torch.Tensor,  # [n, num_heads, rows, head_dim]
+    keys: torch.Tensor,  # [n, kv_heads, width, head_dim]
+    values: torch.Tensor,  # [n, kv_heads, width, head_dim]
+    allowed: torch.Tensor,  # [n, rows, width] bool
+    scale: float,
+    variant: _Variant,
+) -> torch.Tensor:
+    """[n, num_heads, rows, head_dim] float32: softmax attention with soft-capped scores, which SDPA cannot do.
+    The group of query heads that share a kv head are the rows of one matmul."""
+    n, num_heads, rows, head_dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    grouped = queries.float().reshape(n, num_kv_heads, group * rows, head_dim)
+    scores = torch.matmul(grouped, keys.float().transpose(-1, -2))  # [n, kv_heads, group * rows, width]
+    scores = variant.cap(scores.mul_(scale)).view(n, num_kv_heads, group, rows, -1)
+    scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+    probs = scores.softmax(-1).view(n, num_kv_heads, group * rows, -1)
+    return torch.matmul(probs, values.float()).view(n, num_heads, rows, head_dim)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -392,6 +508,8 @@ if HAS_TRITON:
         # Sizes
         scale,  # softmax scale
         head_dim,
+        window,  # keys a query sees, itself included (read when HAS_WINDOW)
+        softcap,  # scores become softcap * tanh(score / softcap) (read when HAS_SOFTCAP)
         # Strides
         stride_q_token,
         stride_q_head,
@@ -418,6 +536,8 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
         DOT_FP32: tl.constexpr,  # upcast tl.dot operands: the interpreter gets half-type dots wrong
         DOT_PRECISION: tl.constexpr,  # "ieee" for float32 operands: TF32 would drop their low mantissa bits
+        HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
     ):
         """Program (seq, query block, kv head): BLOCK_Q queries x the GROUP_SIZE heads sharing one kv head."""
         seq = tl.program_id(0)
@@ -436,7 +556,8 @@ if HAS_TRITON:
         head_in_group = rows % GROUP_PAD
         head = kv_head * GROUP_SIZE + head_in_group
         row_valid = (q_idx < q_len) & (head_in_group < GROUP_SIZE)
-        q_pos = context_len + q_idx  # every row, padding included, sees key 0: no row is all -inf
+        # Padding rows take the last query's position: every row sees a key (itself), none is all -inf.
+        q_pos = context_len + tl.minimum(q_idx, q_len - 1)
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < head_dim
         q_offs = (q_start + q_idx)[:, None] * stride_q_token + head[:, None] * stride_q_head
@@ -447,6 +568,10 @@ if HAS_TRITON:
 
         # Causal: no row of this tile attends past its last query's position.
         kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+        # Windowed: none before its first query's window (those blocks' table entries may be NO_PAGE).
+        kv_start = 0
+        if HAS_WINDOW:
+            kv_start = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
         qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
         m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
@@ -454,7 +579,7 @@ if HAS_TRITON:
         offs_n = tl.arange(0, BLOCK_N)
         k_head = k_cache_ptr + kv_head * stride_k_head
         v_head = v_cache_ptr + kv_head * stride_v_head
-        for start_n in range(0, kv_end, BLOCK_N):
+        for start_n in range(kv_start, kv_end, BLOCK_N):
             pos = start_n + offs_n
             key_valid = pos < kv_end
             # Physical block of every key; masked loads never touch slots past the sequence's length.
@@ -482,8 +607,17 @@ if HAS_TRITON:
             if DOT_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [rows, BLOCK_N], float32
-            qk = tl.where((pos[None, :] <= q_pos[:, None]) & key_valid[None, :], qk, float("-inf"))
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [rows, BLOCK_N], float32
+            if HAS_SOFTCAP:
+                capped = qk * (scale / softcap)
+                # tanh through exp2, which saturates to +-1 where exp2 overflows or vanishes
+                qk = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp2(capped * 2.8853900817779268) + 1.0))
+            else:
+                qk = qk * qk_scale
+            seen = (pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+            if HAS_WINDOW:
+                seen = seen & (pos[None, :] > q_pos[:, None] - window)
+            qk = tl.where(seen, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
@@ -512,11 +646,25 @@ def paged_attention_triton(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], q's dtype
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernel: check, allocate, launch. CPU tensors work under TRITON_INTERPRET=1."""
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs Triton (the `kernels` extra); use paged_attention_torch")
-    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, out)
+    _check_inputs(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        max_seq_len,
+        out,
+        sliding_window,
+        softcap,
+    )
     if out is None:
         out = torch.empty_like(q)
     num_seqs = block_tables.shape[0]
@@ -542,6 +690,8 @@ def paged_attention_triton(
         out,
         scale,
         head_dim,
+        sliding_window or 0,
+        softcap or 1.0,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -555,5 +705,7 @@ def paged_attention_triton(
         BLOCK_SIZE=block_size,
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if dot_fp32 or q.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
     )
     return out

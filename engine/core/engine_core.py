@@ -38,6 +38,7 @@ from loraplex.engine.lora.batch import LoraCompute
 from loraplex.engine.lora.manager import AdapterEntry, AdapterManager, AdapterManagerConfig
 from loraplex.engine.lora.ref import AdapterRef, LoRARequest
 from loraplex.engine.memory.kv_cache import KVCacheManager
+from loraplex.engine.memory.kv_groups import KVGroups
 from loraplex.engine.memory.page_pool import PagePool, PoolUsage, kv_page_elems
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.decoder import DecoderModel
@@ -182,12 +183,15 @@ class EngineCore:
         )
         if draft is not None:  # the draft's weights are the engine's too: they take memory the pool cannot have
             self.weight_bytes += draft.model.weight_bytes()
+        self.kv_groups = KVGroups.of([self.model_config.window(i) for i in range(self.model_config.num_layers)])
         self.pool = self._create_pool()
         if self.workers is not None:
             self.workers.connect(self.pool.num_pages)
         c = self.model.config  # this rank's heads under tensor parallelism
-        kv_caches = self.pool.kv_layers(c.num_layers, c.num_kv_heads, config.block_size, c.head_dim)
-        self.kv = KVCacheManager(self.pool, config.block_size, prefix_caching=config.enable_prefix_caching)
+        kv_caches = self.pool.kv_layers(c.num_layers, c.num_kv_heads, config.block_size, c.head_dim, self.kv_groups)
+        self.kv = KVCacheManager(
+            self.pool, config.block_size, prefix_caching=config.enable_prefix_caching, groups=self.kv_groups
+        )
         self.adapters = AdapterManager(
             self.pool,
             self.model_config,
@@ -200,7 +204,7 @@ class EngineCore:
                 s3_access_key_id=config.s3_access_key_id,
                 s3_secret_access_key=config.s3_secret_access_key,
             ),
-            reserved_pages=-(-self.max_model_len // config.block_size),
+            reserved_pages=self._pages_for_one_request(),
             shards=shards,
             mirror=self.workers,
         )
@@ -238,6 +242,7 @@ class EngineCore:
             device=self.device,
             lora=LoraCompute(self.adapters, self.device),
             workers=self.workers,
+            num_groups=self.kv_groups.num_groups,
         )
 
     def _resolve_max_model_len(self) -> int:
@@ -248,13 +253,21 @@ class EngineCore:
             raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit}")
         return self.config.max_model_len
 
+    def _pages_for_one_request(self) -> int:
+        """Pages one request of the longest context may hold at once (every block in every KV group, less what the
+        sliding windows give back)."""
+        return self.kv_groups.pages_for_tokens(
+            self.max_model_len, self.config.block_size, self.config.max_num_batched_tokens
+        )
+
     def _create_pool(self) -> PagePool:
-        """This rank's pool: pages of its KV heads; the budget is per rank (a fraction on a CPU is shared out, since
-        the ranks share its memory). Every rank gets the same number of pages."""
+        """This rank's pool: pages of its KV heads, with a slot per layer of a KV group (every layer, without sliding
+        windows); the budget is per rank (a fraction on a CPU is shared out, since the ranks share its memory).
+        Every rank gets the same number of pages."""
         c = self.model.config
         block_size = self.config.block_size
         page_elems = kv_page_elems(c.num_kv_heads, block_size, c.head_dim)
-        page_bytes = c.num_layers * page_elems * torch.empty(0, dtype=self.dtype).element_size()
+        page_bytes = self.kv_groups.num_slots * page_elems * torch.empty(0, dtype=self.dtype).element_size()
         budget = self.config.kv_budget
         if isinstance(budget, float):
             if self.device.type == "cuda":
@@ -263,16 +276,22 @@ class EngineCore:
                 free = psutil.virtual_memory().available // self.config.tensor_parallel_size
             budget = int(free * budget)
         num_pages = budget // page_bytes
-        needed = -(-self.max_model_len // block_size)
+        needed = self._pages_for_one_request()
         if num_pages < needed:
             raise ValueError(
                 f"the KV budget holds {num_pages * block_size} tokens but one request may need {self.max_model_len}: "
                 "raise kv_budget or lower max_model_len"
             )
-        logger.info("page pool: %d pages of %d KiB (%d tokens)", num_pages, page_bytes // 1024, num_pages * block_size)
+        logger.info(
+            "page pool: %d pages of %d KiB (%d tokens in each of %d KV groups)",
+            num_pages,
+            page_bytes // 1024,
+            num_pages * block_size // self.kv_groups.num_groups,
+            self.kv_groups.num_groups,
+        )
         return PagePool(
             num_pages=num_pages,
-            num_layers=c.num_layers,
+            num_layers=self.kv_groups.num_slots,
             page_elems=page_elems,
             dtype=self.dtype,
             device=self.device,

@@ -39,12 +39,21 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str
+    num_groups: int = 1  # KV groups (sliding windows): a block has a page in each, of num_slots layer slots
+    num_slots: int = 0  # 0: one slot per layer
 
     @classmethod
     def of(cls, core: EngineCore) -> KVLayout:
         c = core.model.config
+        groups = core.kv_groups
         return cls(
-            c.num_layers, c.num_kv_heads, c.head_dim, core.config.block_size, str(core.dtype).removeprefix("torch.")
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            core.config.block_size,
+            str(core.dtype).removeprefix("torch."),
+            groups.num_groups,
+            groups.num_slots if groups.num_groups > 1 else 0,
         )
 
 
@@ -55,7 +64,7 @@ class KVBlocks:
     layout: KVLayout
     hashes: list[bytes]
     tokens: list[tuple[int, ...]]
-    data: torch.Tensor  # [num_blocks, num_layers, page_elems] in the layout's dtype, on the CPU
+    data: torch.Tensor  # [num_blocks, num_groups * num_slots, page_elems] in the layout's dtype, on the CPU
 
     @property
     def num_blocks(self) -> int:
@@ -84,9 +93,15 @@ def export_blocks(core: EngineCore, hashes: list[bytes]) -> KVBlocks:
     """The cached blocks of the longest leading run of `hashes` (maybe none), copied off the pool."""
     cache = _cache(core)
     found = cache.lookup(hashes)
-    pages = torch.tensor([page for page, _ in found], dtype=torch.int64, device=core.pool.device)
-    layers = [storage.index_select(0, pages) for storage in core.pool.storage]  # each [num_blocks, page_elems]
-    data = torch.stack(layers, dim=1) if layers and found else torch.empty(0, len(layers), core.pool.page_elems)
+    num_groups, storage = core.kv_groups.num_groups, core.pool.storage
+    pages = torch.tensor([page for group_pages, _ in found for page in group_pages], dtype=torch.int64)
+    pages = pages.to(core.pool.device)
+    # Per slot [num_blocks * num_groups, page_elems], block-major: block b's group g is row b * num_groups + g.
+    slots = [slot.index_select(0, pages) for slot in storage]
+    if found:
+        data = torch.stack(slots, dim=1).reshape(len(found), num_groups * len(storage), core.pool.page_elems)
+    else:
+        data = torch.empty(0, num_groups * len(storage), core.pool.page_elems)
     return KVBlocks(
         KVLayout.of(core), hashes[: len(found)], [tokens for _, tokens in found], data.to("cpu", core.dtype)
     )
@@ -112,14 +127,16 @@ def import_blocks(
         if tokens != tuple(token_ids[index * size : (index + 1) * size]):
             break
         if not cache.lookup([digest]):
-            if not core.pool.can_allocate(1):
+            num_groups, num_slots = core.kv_groups.num_groups, len(core.pool.storage)
+            if not core.pool.can_allocate(num_groups):
                 break
-            (page,) = core.pool.allocate(1, PageKind.KV)
-            source = blocks.data[index].to(core.pool.device)  # [num_layers, page_elems]
-            for layer, storage in enumerate(core.pool.storage):
-                storage[page].copy_(source[layer])
-            if not cache.adopt(digest, tokens, page):
-                core.pool.release([page])
+            pages = core.pool.allocate(num_groups, PageKind.KV)
+            source = blocks.data[index].to(core.pool.device).view(num_groups, num_slots, -1)
+            for group, page in enumerate(pages):
+                for slot, storage in enumerate(core.pool.storage):
+                    storage[page].copy_(source[group, slot])
+            if not cache.adopt(digest, tokens, pages):
+                core.pool.release(pages)
         accepted += 1
     return accepted * size
 
@@ -150,11 +167,12 @@ class TransferPins:
         cache = _cache(core)
         self.sweep(core)
         hashes = request_hashes(core, token_ids, cache_salt, adapter_digest)
-        pages = [page for page, _ in cache.lookup(hashes)]
+        found = cache.lookup(hashes)
+        pages = [page for group_pages, _ in found for page in group_pages]
         self.release(core, transfer_id)
         cache.take(pages)
         self.pins[transfer_id] = _Pin(pages, time.monotonic() + ttl_s)
-        return hashes[: len(pages)]
+        return hashes[: len(found)]
 
     def release(self, core: EngineCore, transfer_id: str) -> bool:
         """Let go of a transfer's blocks (they stay cached, evictable); False for an unknown or expired id."""

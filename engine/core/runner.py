@@ -39,6 +39,7 @@ class ModelRunner:
         device: torch.device,
         lora: LoraCompute | None = None,
         workers: TensorParallelGroup | None = None,
+        num_groups: int = 1,
     ) -> None:
         """`workers`: the other tensor-parallel ranks, which run every forward with this one."""
         self.model = model
@@ -47,6 +48,7 @@ class ModelRunner:
         self.device = device
         self.lora = lora
         self.workers = workers
+        self.num_groups = num_groups  # KV groups (engine/memory/kv_groups.py): one block table each per sequence
 
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
         """Build the step's ForwardBatch. Call before the scheduler's requests advance num_computed_tokens."""
@@ -73,6 +75,7 @@ class ModelRunner:
             widths,
             [kernel_slot(s.request.adapter) for s in scheduled],
             [s.request.long_rope for s in scheduled] if self.model.uses_long_rope else [],
+            [[s.request.blocks.tables[g] for s in scheduled] for g in range(1, self.num_groups)],
         )
         batch = host.forward_batch(
             num_kv_heads=self.model.config.num_kv_heads,

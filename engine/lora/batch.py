@@ -188,7 +188,7 @@ class LoraCompute:
             _lora_add(
                 x,
                 y,
-                self.adapters.pool.storage[layer].view(-1),
+                self.adapters.pool.storage[self._slot(layer)].view(-1),
                 segments,
                 self._native_bases,
                 table.a_offsets,
@@ -208,6 +208,11 @@ class LoraCompute:
         else:
             self._add(batch, layer, table, x, y)
 
+    def _slot(self, layer: int) -> int:
+        """The pool storage slot layer `layer`'s adapter regions are in (AdapterLayout.slot)."""
+        num_slots = len(self.adapters.pool.storage)
+        return layer % num_slots if num_slots < self.adapters.model_config.num_layers else layer
+
     def _native_segments(self, batch: LoraBatch, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """The step's segments for the native operator, or None when it does not compute this call: not built or
         loaded, not float32, rows not contiguous, or an adapter slot of the step not in one ascending run of pages."""
@@ -219,7 +224,7 @@ class LoraCompute:
 
     def _add(self, batch: LoraBatch, layer: int, table: _GroupTable, x: torch.Tensor, y: torch.Tensor) -> None:
         pool = self.adapters.pool
-        weights = pool.storage[layer].view(-1)
+        weights = pool.storage[self._slot(layer)].view(-1)
         h = sgmv_shrink(
             x,
             weights,
@@ -276,6 +281,10 @@ class LoraCompute:
         placements = [
             None if e is None or e.layout is None else e.layout.layers[layer].groups.get(group) for e in slots
         ]
+        # The layer's region's offset within each adapter's pages (its chunk of pages, when a page's slots are fewer
+        # than the layers).
+        page_elems = self.adapters.pool.page_elems
+        bases = [0 if e is None or e.layout is None else e.layout.base(layer, page_elems) for e in slots]
 
         def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
@@ -291,7 +300,10 @@ class LoraCompute:
                 _ModuleTable(
                     out_start=out_start,
                     out_end=out_end,
-                    b_offsets=tensor([0 if m is None else m.b_offset for m in found], torch.int64),
+                    b_offsets=tensor(
+                        [0 if m is None else m.b_offset + base for m, base in zip(found, bases, strict=True)],
+                        torch.int64,
+                    ),
                     ranks=tensor(ranks, torch.int32),
                     h_cols=tensor([0 if m is None else m.h_offset for m in found], torch.int32),
                     max_rank=max(ranks, default=0),
@@ -306,7 +318,9 @@ class LoraCompute:
             else torch.zeros(0, len(slots), 3, dtype=torch.int64)
         )
         return _GroupTable(
-            a_offsets=tensor([0 if p is None else p.a_offset for p in placements], torch.int64),
+            a_offsets=tensor(
+                [0 if p is None else p.a_offset + base for p, base in zip(placements, bases, strict=True)], torch.int64
+            ),
             ranks=tensor(group_ranks, torch.int32),
             max_rank=max(group_ranks, default=0),
             modules=tuple(tables),

@@ -49,11 +49,26 @@ class LayerLayout:
 @dataclass(frozen=True, slots=True)
 class AdapterLayout:
     layers: tuple[LayerLayout, ...]
-    num_pages: int  # pages per layer share = pages the adapter takes from the pool
+    num_pages: int  # pages the adapter takes from the pool
+    # A page has `num_slots` layer slots (the pool's storage tensors; kv_groups.py). Layer i's region lies in slot
+    # i % num_slots of the adapter's pages [c * region_pages, (c + 1) * region_pages), c = i // num_slots: one chunk
+    # of pages when the pool has a slot per layer (no sliding windows), as before.
+    region_pages: int = 0  # pages one layer's region spans (0: num_pages)
+    num_slots: int = 0  # 0: one slot per layer
 
     @property
     def max_elems(self) -> int:
         return max((layer.num_elems for layer in self.layers), default=0)
+
+    def slot(self, layer: int) -> int:
+        """The pool storage slot layer `layer`'s region is in."""
+        return layer % self.num_slots if self.num_slots else layer
+
+    def base(self, layer: int, page_elems: int) -> int:
+        """Element offset of layer `layer`'s region within the adapter's pages (as the page table orders them)."""
+        if not self.num_slots:
+            return 0
+        return (layer // self.num_slots) * (self.region_pages or self.num_pages) * page_elems
 
 
 def groups(config: ModelConfig) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -93,7 +108,11 @@ def group_columns(config: ModelConfig, group: str) -> list[tuple[int, int]]:
     return columns
 
 
-def layout_adapter(adapter: LoraAdapter, config: ModelConfig, page_elems: int) -> AdapterLayout:
+def layout_adapter(
+    adapter: LoraAdapter, config: ModelConfig, page_elems: int, num_slots: int | None = None
+) -> AdapterLayout:
+    """Where each of the adapter's matrices goes, in a pool of `page_elems` per page and `num_slots` layer slots per
+    page (default: one per layer)."""
     shapes = group_shapes(config)
     layers: list[LayerLayout] = []
     for layer in range(config.num_layers):
@@ -126,7 +145,11 @@ def layout_adapter(adapter: LoraAdapter, config: ModelConfig, page_elems: int) -
             )
         )
     max_elems = max((layer.num_elems for layer in layers), default=0)
-    return AdapterLayout(layers=tuple(layers), num_pages=max(1, -(-max_elems // page_elems)))
+    region = max(1, -(-max_elems // page_elems))
+    if num_slots is None or num_slots >= config.num_layers:
+        return AdapterLayout(layers=tuple(layers), num_pages=region)
+    chunks = -(-config.num_layers // num_slots)
+    return AdapterLayout(layers=tuple(layers), num_pages=region * chunks, region_pages=region, num_slots=num_slots)
 
 
 def pack_layer(adapter: LoraAdapter, layout: AdapterLayout, layer: int, dtype: torch.dtype) -> torch.Tensor:

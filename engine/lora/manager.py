@@ -94,13 +94,18 @@ class AdapterEntry:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def write_pages(pool: PagePool, layer: int, pages: list[PageId], packed: torch.Tensor) -> None:
-    """Copy an adapter's packed region of `layer` into its pages, page by page."""
-    flat = pool.storage[layer].view(-1)
+def write_pages(
+    pool: PagePool, layer: int, pages: list[PageId], packed: torch.Tensor, layout: AdapterLayout | None = None
+) -> None:
+    """Copy an adapter's packed region of `layer` into its pages (in the slot and chunk its layout gives the layer),
+    page by page."""
+    slot = layout.slot(layer) if layout is not None else layer
+    first = layout.base(layer, pool.page_elems) // pool.page_elems if layout is not None else 0
+    flat = pool.storage[slot].view(-1)
     page_elems = pool.page_elems
     for i, start in enumerate(range(0, packed.numel(), page_elems)):
         chunk = packed[start : start + page_elems]
-        base = pages[i] * page_elems
+        base = pages[first + i] * page_elems
         flat[base : base + chunk.numel()].copy_(chunk)
 
 
@@ -262,7 +267,7 @@ class AdapterManager:
             config_bytes, weights_bytes, self.checkpoint_config, max_rank=self.config.max_rank, dtype=self.pool.dtype
         )
         parts = [shard_adapter(adapter, plan) for plan in self.shards] if len(self.shards) > 1 else [adapter]
-        layout = layout_adapter(parts[0], self.model_config, self.pool.page_elems)
+        layout = layout_adapter(parts[0], self.model_config, self.pool.page_elems, len(self.pool.storage))
         layers = range(self.model_config.num_layers)
         return Packed(layout, [[pack_layer(part, layout, i, self.pool.dtype) for i in layers] for part in parts])
 
@@ -321,7 +326,7 @@ class AdapterManager:
         entry.placement += 1
         entry.base = run_base(pages, self.pool.page_elems)
         for layer, packed in enumerate(entry.host):
-            write_pages(self.pool, layer, pages, packed)
+            write_pages(self.pool, layer, pages, packed, entry.layout)
         if self.mirror is not None:
             self.mirror.placed(slot, pages, entry.layout, entry.others or [])
         entry.slot = slot

@@ -23,6 +23,8 @@ from typing import NewType
 import numpy as np
 import torch
 
+from loraplex.engine.memory.kv_groups import KVGroups
+
 PageId = NewType("PageId", int)
 
 
@@ -209,16 +211,26 @@ class PagePool:
             num_evictable=self._num_evictable,
         )
 
-    def kv_layers(self, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int) -> list[KVLayer]:
-        """kv_layer of each of the first `num_layers` layers."""
-        return [self.kv_layer(i, num_kv_heads, block_size, head_dim) for i in range(num_layers)]
+    def kv_layers(
+        self, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, groups: KVGroups | None = None
+    ) -> list[KVLayer]:
+        """kv_layer of each of the model's `num_layers` layers: layer i in storage slot i, or where `groups` places
+        it (its group's slot)."""
+        if groups is None or not groups.groups:
+            return [self.kv_layer(i, num_kv_heads, block_size, head_dim) for i in range(num_layers)]
+        layers = []
+        for layer in range(num_layers):
+            group, slot = groups.place(layer)
+            layers.append(self.kv_layer(slot, num_kv_heads, block_size, head_dim, group=group))
+        return layers
 
-    def kv_layer(self, layer: int, num_kv_heads: int, block_size: int, head_dim: int) -> KVLayer:
-        """Views of `layer`'s pages as a KV cache (a KV block fills exactly one page)."""
+    def kv_layer(self, slot: int, num_kv_heads: int, block_size: int, head_dim: int, *, group: int = 0) -> KVLayer:
+        """Views of storage slot `slot`'s pages as a KV cache (a KV block fills exactly one page), for a layer of KV
+        group `group`."""
         if kv_page_elems(num_kv_heads, block_size, head_dim) != self.page_elems:
             raise ValueError("a KV block must fill exactly one page")
-        kv = self.storage[layer].view(self.num_pages, 2, num_kv_heads, block_size, head_dim)
-        return KVLayer(k=kv[:, 0], v=kv[:, 1], rows=self.storage[layer].view(-1, head_dim))
+        kv = self.storage[slot].view(self.num_pages, 2, num_kv_heads, block_size, head_dim)
+        return KVLayer(k=kv[:, 0], v=kv[:, 1], rows=self.storage[slot].view(-1, head_dim), group=group)
 
 
 def kv_page_elems(num_kv_heads: int, block_size: int, head_dim: int) -> int:
@@ -233,6 +245,7 @@ class KVLayer:
     k: torch.Tensor  # [num_pages, num_kv_heads, block_size, head_dim] (strided view)
     v: torch.Tensor  # [num_pages, num_kv_heads, block_size, head_dim] (strided view)
     rows: torch.Tensor  # [num_pages * 2 * num_kv_heads * block_size, head_dim]: every head_dim vector, for writes
+    group: int = 0  # its KV group (kv_groups.py): the block table of that group addresses its pages
 
 
 def kv_rows(

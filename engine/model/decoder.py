@@ -168,9 +168,11 @@ class DecoderModel:
             q = rope.apply(q, layer_cis)
             k = rope.apply(k, layer_cis)
             # index_copy_ of whole head_dim rows: far cheaper than advanced-index assignment into the strided view.
-            cache.rows.index_copy_(0, batch.k_rows, k.reshape(-1, c.head_dim))
-            cache.rows.index_copy_(0, batch.v_rows, v.reshape(-1, c.head_dim))
-            attn = attend(q, cache, batch, scale=self.scale, sliding_window=window, softcap=c.attn_softcap)
+            kv = batch.group(cache.group) if batch.other_groups else None
+            cache.rows.index_copy_(0, batch.k_rows if kv is None else kv.k_rows, k.reshape(-1, c.head_dim))
+            cache.rows.index_copy_(0, batch.v_rows if kv is None else kv.v_rows, v.reshape(-1, c.head_dim))
+            tables = batch.block_tables if kv is None else kv.block_tables
+            attn = attend(q, cache, tables, batch, scale=self.scale, sliding_window=window, softcap=c.attn_softcap)
             attn = attn.view(-1, c.q_size)
             hidden = self._block_output(
                 hidden, attn, _ordered(attn, layer.o_input_order), layer.o, layer.attn_out_norm, (index, "o"), batch

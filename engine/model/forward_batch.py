@@ -32,6 +32,15 @@ class LoraDelta(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class GroupKV:
+    """Where one KV group's layers (engine/memory/kv_groups.py) read and write this step's keys and values."""
+
+    k_rows: torch.Tensor  # [num_tokens * num_kv_heads] int64: rows of KVLayer.rows taking token i's K, head h
+    v_rows: torch.Tensor  # [num_tokens * num_kv_heads] int64: the same for V
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32: the group's page ids of sequence s (0 where released)
+
+
 @dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens] int64: token ids of this step
@@ -48,10 +57,19 @@ class ForwardBatch:
     # [num_tokens] int64: the row of the RoPE table token i rotates by, where it is not its position: LongRoPE's
     # long-factor sequences look up position + max_positions (RotaryEmbedding); None: every token its position.
     rope_positions: torch.Tensor | None = None
+    # KV groups 1.. of a model whose layers share pages in several groups (sliding windows); the fields above are
+    # group 0's. Empty for a model of one group.
+    other_groups: tuple[GroupKV, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def group(self, group: int) -> GroupKV:
+        """Group `group`'s rows and block tables."""
+        if group == 0:
+            return GroupKV(self.k_rows, self.v_rows, self.block_tables)
+        return self.other_groups[group - 1]
 
 
 def build_forward_batch(
@@ -67,28 +85,29 @@ def build_forward_batch(
     lora: LoraDelta | None = None,
     long_rope: np.ndarray | None = None,
     max_positions: int = 0,
+    other_groups: Sequence[Sequence[Sequence[int]]] = (),
 ) -> ForwardBatch:
     """The ForwardBatch of sequences that each compute query_lens[s] new tokens after the starts[s] their cache holds.
 
     input_ids: [sum(query_lens)] the new tokens, sequence after sequence; starts, query_lens: [num_seqs] int64;
     block_ids[s]: sequence s's pages, in order, covering its tokens after this forward; logits_widths: [num_seqs]
     int64, how many of sequence s's last token rows get logits (0: none), in sequence order; long_rope: [num_seqs]
-    bool, the sequences that take LongRoPE's long factors (their tokens look up position + max_positions). Host
-    metadata is computed with numpy over whole sequences (never token by token) and moved to the device once.
+    bool, the sequences that take LongRoPE's long factors (their tokens look up position + max_positions);
+    other_groups[g - 1][s]: sequence s's pages in KV group g (NO_PAGE, -1, where released). Host metadata is
+    computed with numpy over whole sequences (never token by token) and moved to the device once.
     """
     num_seqs = len(block_ids)
     seq_lens = starts + query_lens
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
-    block_tables = np.zeros((num_seqs, max((len(ids) for ids in block_ids), default=0)), dtype=np.int64)
-    for s, ids in enumerate(block_ids):
-        block_tables[s, : len(ids)] = ids
+    block_tables = _block_table(block_ids)
 
     # positions[t] = starts[seq] + (t - query_start_loc[seq]) for every token t, without a Python loop.
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
     positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_of_token] + starts[seq_of_token]
-    slot_block_ids = block_tables[seq_of_token, positions // block_size]
+    token_blocks = positions // block_size
+    slot_block_ids = block_tables[seq_of_token, token_blocks]
     slot_offsets = positions % block_size
     # Sequence s's logits rows are its last logits_widths[s] tokens, in order.
     first_token = np.repeat(query_start_loc[1:] - logits_widths, logits_widths)  # of its sequence's logits rows
@@ -101,7 +120,13 @@ def build_forward_batch(
     rope_positions = None
     if long_rope is not None and long_rope.any():
         rope_positions = to_device(positions + long_rope[seq_of_token] * max_positions, torch.int64)
-    k_rows, v_rows = kv_rows(to_device(slot_block_ids, torch.int64), to_device(slot_offsets, torch.int64))
+    offsets = to_device(slot_offsets, torch.int64)
+    k_rows, v_rows = kv_rows(to_device(slot_block_ids, torch.int64), offsets)
+    groups: list[GroupKV] = []
+    for tables in other_groups:
+        table = _block_table(tables)
+        group_k, group_v = kv_rows(to_device(table[seq_of_token, token_blocks], torch.int64), offsets)
+        groups.append(GroupKV(group_k, group_v, to_device(table, torch.int32)))
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=to_device(positions, torch.int64),
@@ -115,4 +140,15 @@ def build_forward_batch(
         max_seq_len=int(seq_lens.max()),
         lora=lora,
         rope_positions=rope_positions,
+        other_groups=tuple(groups),
     )
+
+
+def _block_table(block_ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """[num_seqs, max_blocks] int64 of the sequences' pages, padded with 0; released entries (NO_PAGE) read page 0,
+    which attention never looks at (they lie wholly behind the window)."""
+    table = np.zeros((len(block_ids), max((len(ids) for ids in block_ids), default=0)), dtype=np.int64)
+    for s, ids in enumerate(block_ids):
+        table[s, : len(ids)] = ids
+    np.maximum(table, 0, out=table)
+    return table

@@ -36,6 +36,8 @@ class HostBatch:
     logits_widths: np.ndarray  # [num_seqs] int64: how many of its last rows get logits
     adapter_slots: list[int]  # [num_seqs] its adapter's slot, -1 for none; sequences of one slot are adjacent
     long_rope: list[bool] = field(default_factory=list)  # [num_seqs] takes LongRoPE's long factors; empty: none does
+    # [groups - 1][num_seqs][blocks]: each sequence's pages in KV groups 1.. (sliding windows); empty for one group
+    other_groups: Sequence[Sequence[Sequence[int]]] = field(default_factory=list)
 
     def forward_batch(
         self,
@@ -60,6 +62,7 @@ class HostBatch:
             lora=LoraStep(lora, segments) if lora is not None and segments else None,
             long_rope=np.asarray(self.long_rope, dtype=np.int64) if any(self.long_rope) else None,
             max_positions=max_positions,
+            other_groups=self.other_groups,
         )
 
 
@@ -110,6 +113,7 @@ def encode_step(message: StepMessage) -> bytes:
         "logits_widths": batch.logits_widths.tolist(),
         "adapter_slots": batch.adapter_slots,
         "long_rope": batch.long_rope,
+        "other_groups": batch.other_groups,
         "events": events,
     }
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -141,6 +145,7 @@ def decode_step(data: bytes) -> StepMessage:
         array("logits_widths"),
         header["adapter_slots"],
         header["long_rope"],
+        header["other_groups"],
     )
     return StepMessage(batch, events)
 
@@ -156,7 +161,7 @@ def _layout(raw: dict[str, Any]) -> AdapterLayout:
         LayerLayout({name: group(g) for name, g in layer["groups"].items()}, layer["num_elems"])
         for layer in raw["layers"]
     )
-    return AdapterLayout(layers, raw["num_pages"])
+    return AdapterLayout(layers, raw["num_pages"], raw["region_pages"], raw["num_slots"])
 
 
 def send_control(conn: Connection, kind: str, value: int | str | None = None) -> None:

@@ -32,6 +32,7 @@ import torch
 from loraplex.engine.lora.batch import LoraCompute, PlacedAdapter
 from loraplex.engine.lora.layout import AdapterLayout, group_columns
 from loraplex.engine.lora.manager import run_base, write_pages
+from loraplex.engine.memory.kv_groups import KVGroups
 from loraplex.engine.memory.page_pool import KVLayer, PageId, PagePool, kv_page_elems
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.decoder import DecoderModel
@@ -96,7 +97,7 @@ class AdapterReplica:
         for event in events:
             if isinstance(event, AdapterPlaced):
                 for layer, packed in enumerate(event.layers):
-                    write_pages(self.pool, layer, event.pages, packed.to(self.pool.device))
+                    write_pages(self.pool, layer, event.pages, packed.to(self.pool.device), event.layout)
                 self._slots[event.slot] = _Placed(
                     event.pages, run_base(event.pages, self.pool.page_elems), event.layout
                 )
@@ -193,14 +194,15 @@ class _Shard:
             )
         )
         local = model.config
+        groups = KVGroups.of([local.window(i) for i in range(local.num_layers)])  # rank 0's, from the same config
         pool = PagePool(
             num_pages=num_pages,
-            num_layers=local.num_layers,
+            num_layers=groups.num_slots,
             page_elems=kv_page_elems(local.num_kv_heads, init.block_size, local.head_dim),
             dtype=model.dtype,
             device=device,
         )
-        kv_caches = pool.kv_layers(local.num_layers, local.num_kv_heads, init.block_size, local.head_dim)
+        kv_caches = pool.kv_layers(local.num_layers, local.num_kv_heads, init.block_size, local.head_dim, groups)
         adapters = AdapterReplica(pool, local, init.max_loras)
         send_control(conn, "ready")
         return cls(model, kv_caches, adapters, LoraCompute(adapters, device), init.block_size, device)

@@ -3,7 +3,8 @@
 One mechanism (decision 0043): a peer's cached blocks are fetched by their chained hashes with
 `POST /v1/kv/blocks {"block_hashes": [hex, ...], "transfer_id": ..., "release": bool}`, which answers the longest
 leading run it has as one safetensors body (tensors `hashes` [n, 32] u8, `tokens` [n, block_size] i64, `layout`
-[4] i64 and `kv` [n, layers, page_elems]); the fetching engine checks each block against the hashes it computes for
+[6] i64 (layers, KV heads, head_dim, block size, KV groups, slots per page or 0) and `kv` [n, groups * slots,
+page_elems]); the fetching engine checks each block against the hashes it computes for
 its own request (engine/core/kv_transfer.py) and adopts what matches into its prefix cache, so the request then
 starts from them as from any cache hit. A request asks for this with vLLM's field `kv_transfer_params`:
 
@@ -88,7 +89,10 @@ def encode_blocks(blocks: KVBlocks) -> bytes:
         {
             "hashes": torch.tensor([list(digest) for digest in blocks.hashes], dtype=torch.uint8).view(-1, HASH_BYTES),
             "tokens": torch.tensor([list(tokens) for tokens in blocks.tokens], dtype=torch.int64).view(-1, size),
-            "layout": torch.tensor([layout.num_layers, layout.num_kv_heads, layout.head_dim, size], dtype=torch.int64),
+            "layout": torch.tensor(
+                [layout.num_layers, layout.num_kv_heads, layout.head_dim, size, layout.num_groups, layout.num_slots],
+                dtype=torch.int64,
+            ),
             "kv": blocks.data.contiguous(),
         }
     )
@@ -104,19 +108,22 @@ def decode_blocks(data: bytes) -> KVBlocks:
         raise TransferRefused(f"a {_BODY_NAME} body holds hashes, tokens, layout and kv, not {sorted(infos)}")
     tensors = load_tensors(data, infos)
     hashes, tokens, layout_values, kv = tensors["hashes"], tensors["tokens"], tensors["layout"], tensors["kv"]
-    if layout_values.dtype != torch.int64 or layout_values.shape != (4,) or hashes.dtype != torch.uint8:
+    if layout_values.dtype != torch.int64 or layout_values.shape != (6,) or hashes.dtype != torch.uint8:
         raise TransferRefused("the blocks' layout or hashes are malformed")
-    num_layers, num_kv_heads, head_dim, block_size = (int(v) for v in layout_values)
+    num_layers, num_kv_heads, head_dim, block_size, num_groups, num_slots = (int(v) for v in layout_values)
+    if num_groups < 1 or num_slots < 0:
+        raise TransferRefused("the blocks' layout is malformed")
     num_blocks = hashes.shape[0]
     page_elems = 2 * num_kv_heads * block_size * head_dim
     if (
         hashes.shape != (num_blocks, HASH_BYTES)
         or tokens.dtype != torch.int64
         or tokens.shape != (num_blocks, block_size)
-        or kv.shape != (num_blocks, num_layers, page_elems)
+        or kv.shape != (num_blocks, num_groups * (num_slots or num_layers), page_elems)
     ):
         raise TransferRefused("the blocks' tensors do not agree in shape")
-    layout = KVLayout(num_layers, num_kv_heads, head_dim, block_size, str(kv.dtype).removeprefix("torch."))
+    dtype = str(kv.dtype).removeprefix("torch.")
+    layout = KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype, num_groups, num_slots)
     return KVBlocks(
         layout,
         [bytes(row.tolist()) for row in hashes],

@@ -312,8 +312,8 @@ def _model_config(spec: RandomModelSpec, *, bos_token_id: int, eos_token_id: int
     if spec.architecture == "llama":
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif spec.architecture == "mistral":
-        # Full attention: Mistral 7B v0.1's 4096-token sliding window is not part of what loraplex serves.
-        config.update(sliding_window=None)
+        # Mistral 7B v0.1's 4096-token sliding window, as it ships: its pages behind the window go back to the pool.
+        config.update(sliding_window=4096)
     else:
         config.update(max_window_layers=spec.num_hidden_layers, sliding_window=None, use_sliding_window=False)
     return dict(sorted(config.items()))

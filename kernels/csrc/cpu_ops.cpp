@@ -85,10 +85,15 @@ inline void weighted_sum_avx2(float* __restrict acc, const float* __restrict val
 }
 #endif
 
-// One (sequence, kv head): the group's queries over the sequence's blocks, an online softmax per block.
+// The first key a decode query at position len - 1 sees: 0, or the start of its window of `window` keys.
+inline int64_t first_key(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(len - window, 0) : 0; }
+
+// One (sequence, kv head): the group's queries over the sequence's keys from position `first` (0, or the start of a
+// sliding window) to len - 1, an online softmax per block; softcap > 0 caps each score at softcap * tanh(s / softcap).
 void attend_one(const float* __restrict qrow, float* __restrict orow, const float* kp, const float* vp,
-                const int32_t* table, int64_t len, int64_t group, int64_t dim, int64_t block_size, int64_t k_page,
-                int64_t v_page, int64_t head_offset, float scale, float* __restrict scratch) {
+                const int32_t* table, int64_t first, int64_t len, int64_t group, int64_t dim, int64_t block_size,
+                int64_t k_page, int64_t v_page, int64_t head_offset, float scale, float softcap,
+                float* __restrict scratch) {
   float* qs = scratch;                        // [group, dim]
   float* acc = qs + group * dim;              // [group, dim]
   float* scores = acc + group * dim;          // [group, block_size]
@@ -105,11 +110,12 @@ void attend_one(const float* __restrict qrow, float* __restrict orow, const floa
 #if defined(__AVX2__) && defined(__FMA__)
   const bool vectors = dim % 8 == 0;
 #endif
-  for (int64_t b = 0; b * block_size < len; ++b) {
+  for (int64_t b = first / block_size; b * block_size < len; ++b) {
     const int64_t page = table[b];
-    const int64_t count = std::min(block_size, len - b * block_size);
-    const float* keys = kp + page * k_page + head_offset;
-    const float* values = vp + page * v_page + head_offset;
+    const int64_t skip = std::max<int64_t>(first - b * block_size, 0);  // slots before the window's first key
+    const int64_t count = std::min(block_size, len - b * block_size) - skip;
+    const float* keys = kp + page * k_page + head_offset + skip * dim;
+    const float* values = vp + page * v_page + head_offset + skip * dim;
     if ((b + 1) * block_size < len) {
       // The next block lies on another page: the hardware prefetchers do not follow, so ask for it now.
       const int64_t next = table[b + 1];
@@ -130,6 +136,9 @@ void attend_one(const float* __restrict qrow, float* __restrict orow, const floa
       } else
 #endif
         for (int64_t t = 0; t < count; ++t) sc[t] = dot(qs + g * dim, keys + t * dim, dim);
+      if (softcap > 0.f) {
+        for (int64_t t = 0; t < count; ++t) sc[t] = softcap * std::tanh(sc[t] / softcap);
+      }
       float block_max = sc[0];
       for (int64_t t = 1; t < count; ++t) block_max = std::max(block_max, sc[t]);
       const float new_max = std::max(m[g], block_max);
@@ -167,7 +176,7 @@ void attend_one(const float* __restrict qrow, float* __restrict orow, const floa
 // int32; ctx_lens, tokens: [n] int64. Slots past a sequence's length are never read.
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& ctx_lens, const at::Tensor& tokens,
-                      double scale, const at::Tensor& out) {
+                      double scale, int64_t window, double softcap, const at::Tensor& out) {
   check_f32(q, "q");
   check_f32(k_cache, "k_cache");
   check_f32(v_cache, "v_cache");
@@ -180,6 +189,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
               "k_cache and v_cache: [pages, kv_heads, block, dim]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1,
               "block_tables must be int32 [n, max_blocks] with contiguous rows");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_pages = k_cache.size(0), num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes of q and the cache differ");
@@ -199,7 +209,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "sequence ", s, ": context ", lens[s],
                 " outside [1, blocks * block_size]");
     TORCH_CHECK(rows[s] >= 0 && rows[s] < q.size(0), "sequence ", s, ": query row out of range");
-    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+    for (int64_t b = first_key(lens[s], window) / block_size; b < (lens[s] + block_size - 1) / block_size; ++b) {
       const int32_t page = tables[s * table_stride + b];
       TORCH_CHECK(page >= 0 && page < num_pages, "sequence ", s, ": page id ", page, " out of range");
     }
@@ -210,18 +220,19 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const float* vp = v_cache.data_ptr<float>();
   const int64_t k_page = k_cache.stride(0), v_page = v_cache.stride(0), head_stride = block_size * head_dim;
   const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(softcap);
 
   auto work = [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(2 * group * head_dim + group * block_size + 2 * group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
       const int64_t offset = (rows[s] * num_heads + kvh * group) * head_dim;
-      attend_one(qp + offset, op + offset, kp, vp, tables + s * table_stride, lens[s], group, head_dim, block_size,
-             k_page, v_page, kvh * head_stride, fscale, scratch.data());
+      attend_one(qp + offset, op + offset, kp, vp, tables + s * table_stride, first_key(lens[s], window), lens[s],
+                 group, head_dim, block_size, k_page, v_page, kvh * head_stride, fscale, fcap, scratch.data());
     }
   };
   int64_t total = 0;
-  for (int64_t s = 0; s < n; ++s) total += lens[s];
+  for (int64_t s = 0; s < n; ++s) total += lens[s] - first_key(lens[s], window);
   // Below a few thousand cached tokens a thread team's fork and join costs more than the work.
   if (total * num_kv_heads < 8192 || at::get_num_threads() == 1) {
     work(0, n * num_kv_heads);
@@ -229,7 +240,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   }
   // Runs of (sequence, kv head) items of about equal context, one per thread.
   std::vector<double> cost(n * num_kv_heads);
-  for (int64_t item = 0; item < n * num_kv_heads; ++item) cost[item] = 1.0 + lens[item / num_kv_heads];
+  for (int64_t item = 0; item < n * num_kv_heads; ++item) {
+    const int64_t len = lens[item / num_kv_heads];
+    cost[item] = 1.0 + len - first_key(len, window);
+  }
   const int64_t parts = at::get_num_threads();
   const std::vector<int64_t> bounds = balanced_runs(cost, parts);
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
@@ -341,7 +355,7 @@ void lora_add(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight
 
 TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor ctx_lens, "
-        "Tensor tokens, float scale, Tensor(a!) out) -> ()");
+        "Tensor tokens, float scale, int window, float softcap, Tensor(a!) out) -> ()");
   m.def("lora_add(Tensor x, Tensor(a!) y, Tensor weights, Tensor segments, Tensor bases, Tensor a_offsets, "
         "Tensor a_ranks, Tensor outputs, Tensor modules) -> ()");
   m.def("int8_linear_dynamic(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, Tensor? residual) -> Tensor");

@@ -46,12 +46,16 @@ class Batch:
     scale: float
     max_query_len: int
     max_seq_len: int
+    sliding_window: int | None = None
+    softcap: float | None = None
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc)
 
     def kwargs(self) -> dict[str, Any]:
-        return {"scale": self.scale, "max_query_len": self.max_query_len, "max_seq_len": self.max_seq_len}
+        sizes = {"scale": self.scale, "max_query_len": self.max_query_len, "max_seq_len": self.max_seq_len}
+        variants = {"sliding_window": self.sliding_window, "softcap": self.softcap}
+        return sizes | {name: value for name, value in variants.items() if value is not None}
 
 
 def make_batch(
@@ -65,10 +69,14 @@ def make_batch(
     strided: bool = False,
     device: str = "cpu",
     seed: int = 0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> Batch:
     """Sequences with their blocks at shuffled pool positions, spare blocks, NaN in every unowned slot.
 
     strided: K and V are views into one page-major pool and q is a slice of a wider tensor.
+    sliding_window: as the engine's KV groups leave a sliding layer's table, every block wholly before the window of a
+    sequence's first query is NO_PAGE (-1), and its page is back in the pool: NaN.
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(seq_len / block_size) for _, seq_len in layout]
@@ -81,7 +89,12 @@ def make_batch(
         ids = pool_ids[taken : taken + blocks_per_seq[i]]
         taken += blocks_per_seq[i]
         block_tables[i, : ids.numel()] = ids.to(torch.int32)
-        for t in range(seq_len):
+        released = 0
+        if sliding_window is not None:
+            q_len = layout[i][0]
+            released = max(0, seq_len - q_len - sliding_window + 1) // block_size
+            block_tables[i, :released] = -1
+        for t in range(released * block_size, seq_len):
             owned[ids[t // block_size], t % block_size] = True
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     if strided:
@@ -112,6 +125,8 @@ def make_batch(
         scale=head_dim**-0.5,
         max_query_len=max(q_lens),
         max_seq_len=max(seq_len for _, seq_len in layout),
+        sliding_window=sliding_window,
+        softcap=softcap,
     )
     tensors = ["q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc"]
     return dataclasses.replace(batch, **{name: getattr(batch, name).to(device) for name in tensors})
@@ -126,15 +141,21 @@ def reference(batch: Batch) -> torch.Tensor:
     num_heads, num_kv_heads, block_size = q.shape[1], k_cache.shape[1], k_cache.shape[2]
     kv_head_of = [h // (num_heads // num_kv_heads) for h in range(num_heads)]
     out = torch.full_like(q, float("nan"))
+    window = batch.sliding_window
     for i, seq_len in enumerate(seq_lens):
-        keys = torch.stack([k_cache[block_tables[i][t // block_size], :, t % block_size] for t in range(seq_len)])
-        values = torch.stack([v_cache[block_tables[i][t // block_size], :, t % block_size] for t in range(seq_len)])
-        keys, values = keys[:, kv_head_of], values[:, kv_head_of]  # [seq_len, num_heads, head_dim]
         q_len = starts[i + 1] - starts[i]
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        page = [block_tables[i][t // block_size] if t >= first else 0 for t in range(seq_len)]  # 0: never read
+        keys = torch.stack([k_cache[page[t], :, t % block_size] for t in range(seq_len)])
+        values = torch.stack([v_cache[page[t], :, t % block_size] for t in range(seq_len)])
+        keys, values = keys[:, kv_head_of], values[:, kv_head_of]  # [seq_len, num_heads, head_dim]
         for j in range(q_len):
             pos = seq_len - q_len + j
-            scores = torch.einsum("hd,thd->ht", q[starts[i] + j], keys[: pos + 1]) * batch.scale
-            out[starts[i] + j] = torch.einsum("ht,thd->hd", scores.softmax(-1), values[: pos + 1])
+            lo = 0 if window is None else max(0, pos - window + 1)
+            scores = torch.einsum("hd,thd->ht", q[starts[i] + j], keys[lo : pos + 1]) * batch.scale
+            if batch.softcap is not None:
+                scores = batch.softcap * torch.tanh(scores / batch.softcap)
+            out[starts[i] + j] = torch.einsum("ht,thd->hd", scores.softmax(-1), values[lo : pos + 1])
     return out
 
 
@@ -302,6 +323,66 @@ class TestTritonKernel:
         assert not batch.k_cache.is_contiguous()
         assert not batch.q.is_contiguous()
         assert_matches(pa.paged_attention_triton(*batch.args(), **batch.kwargs()), batch)
+
+
+# (sliding_window, softcap): Mistral's window alone, Gemma 2's window and cap, a cap alone (Gemma 2's global layers),
+# a window of one block and one of a single key.
+VARIANTS = pytest.mark.parametrize(
+    ("window", "softcap"),
+    [(24, None), (16, 50.0), (None, 20.0), (40, 2.0), (1, None)],
+    ids=["window", "window-softcap", "softcap", "wide-window-tight-cap", "window-of-one"],
+)
+VARIANT_LAYOUTS = [
+    *MIXED,
+    (1, 100),
+    (9, 70),
+    (40, 90),
+    (64, 64),
+]
+
+
+class TestSlidingWindowAndSoftcap:
+    """Gemma 2/3 and Mistral layers: each query sees its last `window` keys, scores soft-capped; blocks wholly
+    behind the window of a sequence's first query are NO_PAGE in the table and NaN in the pool."""
+
+    @VARIANTS
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+    def test_torch_path(self, window: int | None, softcap: float | None, dtype: torch.dtype) -> None:
+        batch = make_batch(VARIANT_LAYOUTS, num_heads=8, sliding_window=window, softcap=softcap, dtype=dtype)
+        if window is not None and window < 40:
+            assert (batch.block_tables == -1).any()  # the layouts do release pages
+        assert_matches(pa.paged_attention_torch(*batch.args(), **batch.kwargs()), batch)
+
+    @VARIANTS
+    def test_native_decode(self, window: int | None, softcap: float | None) -> None:
+        require_native()
+        layout = [*DECODE, (1, 200), (1, 9), (1, 100)]
+        batch = make_batch(layout, num_heads=8, head_dim=64, sliding_window=window, softcap=softcap)
+        assert_matches(pa.paged_attention_torch(*batch.args(), **batch.kwargs(), native=True), batch)
+
+    @VARIANTS
+    def test_triton_kernel(self, window: int | None, softcap: float | None) -> None:
+        require_triton()
+        batch = make_batch(VARIANT_LAYOUTS, num_heads=4, sliding_window=window, softcap=softcap, device=DEVICE)
+        assert_matches(pa.paged_attention_triton(*batch.args(), **batch.kwargs()), batch)
+
+    def test_a_window_wider_than_the_context_is_full_attention(self) -> None:
+        windowed = make_batch(MIXED, sliding_window=10_000)
+        plain = dataclasses.replace(windowed, sliding_window=None)
+        torch.testing.assert_close(
+            pa.paged_attention_torch(*windowed.args(), **windowed.kwargs()),
+            pa.paged_attention_torch(*plain.args(), **plain.kwargs()),
+            atol=0,
+            rtol=0,
+        )
+
+    @pytest.mark.parametrize(
+        ("change", "message"), [({"sliding_window": 0}, "sliding_window"), ({"softcap": 0.0}, "softcap")]
+    )
+    def test_rejects_a_bad_variant(self, change: dict[str, Any], message: str) -> None:
+        batch = make_batch(MIXED)
+        with pytest.raises(ValueError, match=message):
+            pa.paged_attention_torch(*batch.args(), **batch.kwargs(), **change)
 
 
 def _bad_inputs() -> list[tuple[str, dict[str, Any], str]]:

@@ -15,6 +15,7 @@ from loraplex.kernels.paged_attention import paged_attention
 def attend(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated
     cache: KVLayer,  # the layer's pages, this step's K/V already written
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32: the layer's KV group's tables
     batch: ForwardBatch,
     *,
     scale: float,
@@ -31,7 +32,7 @@ def attend(
         q,
         cache.k,
         cache.v,
-        batch.block_tables,
+        block_tables,
         batch.seq_lens,
         batch.query_start_loc,
         scale=scale,
