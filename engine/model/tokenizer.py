@@ -54,6 +54,7 @@ class Tokenizer:
         add_bos_token: bool | None = None,
         eos_token_ids: Iterable[int] = (),
         bos_token_id: int | None = None,
+        sampling_defaults: Mapping[str, float] | None = None,
         source: str = "tokenizer",
     ) -> None:
         """Wraps a loaded `tokenizers.Tokenizer`; `from_dir` is the usual way in.
@@ -62,9 +63,11 @@ class Tokenizer:
         add_bos_token: prepend BOS on `encode` unless the backend's post-processor already does.
         eos_token_ids: extra end-of-sequence ids, on top of `eos_token`'s.
         bos_token_id: used when `bos_token` is not given (config.json's id).
+        sampling_defaults: the checkpoint's own sampling settings (generation_config.json), for requests that set none.
         source: names the folder in error messages.
         """
         self._backend = backend
+        self.sampling_defaults: dict[str, float] = dict(sampling_defaults or {})
         self._source = source
         self._special_tokens = dict(special_tokens or {})
         self._template_source = chat_template
@@ -136,6 +139,7 @@ class Tokenizer:
             add_bos_token=add_bos_token,
             eos_token_ids=eos_ids,
             bos_token_id=bos_ids[0] if bos_ids else None,
+            sampling_defaults=_sampling_defaults(generation_config, folder / GENERATION_CONFIG_FILE),
             source=str(folder),
         )
 
@@ -319,6 +323,31 @@ def _compile_chat_template(source: str, where: str) -> jinja2.Template:
         raise CheckpointError(
             f"{where}: the chat template does not compile (line {exc.lineno}): {exc.message}"
         ) from exc
+
+
+# generation_config.json's sampling fields that a request inherits when it leaves them out, as vLLM's default
+# `--generation-config auto` does (Qwen3 ships temperature 0.6, top_p 0.95, top_k 20): (lowest, highest) allowed.
+SAMPLING_DEFAULT_FIELDS: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, float("inf")),
+    "top_p": (0.0, 1.0),
+    "top_k": (-1, float("inf")),
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.0, float("inf")),
+}
+
+
+def _sampling_defaults(generation_config: Mapping[str, Any], path: Path) -> dict[str, float]:
+    """The sampling fields generation_config.json sets, checked. `do_sample` is not read, as vLLM does not: a
+    request's temperature decides."""
+    defaults: dict[str, float] = {}
+    for name, (lowest, highest) in SAMPLING_DEFAULT_FIELDS.items():
+        value = generation_config.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not lowest <= value <= highest:
+            raise CheckpointError(f"{path}: field {name!r} must be a number in [{lowest}, {highest}], got {value!r}")
+        defaults[name] = int(value) if name == "top_k" else float(value)
+    return defaults
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:

@@ -17,6 +17,8 @@ each rule lives in one place.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
@@ -208,20 +210,27 @@ class _SamplingFields(_Request):
     def _format_grammar(self) -> list[StructuredOutputsParams]:
         return []
 
-    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; SamplingParams raises RequestError naming any out-of-range field."""
+    def _sampling_params(
+        self, *, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, float]
+    ) -> SamplingParams:
+        """The engine's parameters; a field the request leaves out takes the checkpoint's default (its
+        generation_config.json), else the API's. SamplingParams raises RequestError naming any out-of-range field."""
         self.check_supported()
+
+        def pick(name: str, value: float | None, fallback: float) -> float:
+            return value if value is not None else defaults.get(name, fallback)
+
         return SamplingParams(
             n=self.n if self.n is not None else 1,
             presence_penalty=self.presence_penalty if self.presence_penalty is not None else 0.0,
             frequency_penalty=self.frequency_penalty if self.frequency_penalty is not None else 0.0,
-            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+            repetition_penalty=pick("repetition_penalty", self.repetition_penalty, 1.0),
             logit_bias=self.logit_bias,
             structured_outputs=self.output_grammar(),
-            temperature=self.temperature if self.temperature is not None else 1.0,
-            top_p=self.top_p if self.top_p is not None else 1.0,
-            top_k=self.top_k if self.top_k is not None else 0,
-            min_p=self.min_p if self.min_p is not None else 0.0,
+            temperature=pick("temperature", self.temperature, 1.0),
+            top_p=pick("top_p", self.top_p, 1.0),
+            top_k=int(pick("top_k", self.top_k, 0)),
+            min_p=pick("min_p", self.min_p, 0.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -273,14 +282,14 @@ class CompletionRequest(_SamplingFields):
         batch.extend(cast("list[str] | list[list[int]]", prompt))
         return batch
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, float] = MappingProxyType({})) -> SamplingParams:
         if self.best_of not in (None, 1):
             raise _unsupported("best_of", "best_of must be 1")
         if self.suffix:
             raise _unsupported("suffix", "suffix is not supported")
         if self.echo and self.logprobs is not None:
             raise _unsupported("echo", "echo cannot be combined with logprobs (prompt logprobs are not supported)")
-        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs, defaults=defaults)
 
 
 class CompletionChoice(BaseModel):
@@ -448,12 +457,12 @@ class ChatCompletionRequest(_SamplingFields):
                 param="chat_template_kwargs",
             )
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, float] = MappingProxyType({})) -> SamplingParams:
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", code="invalid_value", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         limit = completion_limit(self.max_completion_tokens, self.max_tokens)
-        params = self._sampling_params(max_tokens=limit, logprobs=logprobs)
+        params = self._sampling_params(max_tokens=limit, logprobs=logprobs, defaults=defaults)
         if self.thinking_token_budget is None:
             return params
         return dataclasses.replace(params, thinking_token_budget=self.thinking_token_budget)

@@ -222,7 +222,7 @@ class OpenAIServing:
     async def completion_job(self, body: CompletionRequest) -> Job:
         arrived = time.perf_counter()
         model, lora = self._check_model(body.model, body.lora_adapter)
-        params = body.sampling_params()
+        params = body.sampling_params(self.engine.core.tokenizer.sampling_defaults)
         tokenizer = self.engine.core.tokenizer
         prompts: list[JobPrompt] = []
         for prompt in body.prompts:
@@ -238,7 +238,7 @@ class OpenAIServing:
     async def chat_job(self, body: ChatCompletionRequest) -> Job:
         arrived = time.perf_counter()
         model, lora = self._check_model(body.model, body.lora_adapter)
-        params = body.sampling_params()
+        params = body.sampling_params(self.engine.core.tokenizer.sampling_defaults)
         tokenizer = self.engine.core.tokenizer
         text = tokenizer.apply_chat_template(
             body.template_messages(),

@@ -213,6 +213,37 @@ class TestEosIds:
         assert tokenizer.eos_token_ids == {1, 8, 9} | self._ids(tokenizer, IM_END_TOKEN)
 
 
+class TestSamplingDefaults:
+    """generation_config.json's sampling fields become the defaults of requests that leave them out (vLLM's
+    `--generation-config auto`); a request's own value always wins."""
+
+    QWEN3 = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "eos_token_id": [5, 6]}
+
+    def test_read_from_generation_config(self, demo_folder: Path, tmp_path: Path) -> None:
+        folder = _variant(demo_folder, tmp_path, generation_config_json=self.QWEN3)
+        assert Tokenizer.from_dir(folder).sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+    def test_requests_inherit_what_they_leave_out(self, demo_folder: Path, tmp_path: Path) -> None:
+        from loraplex.engine.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+        defaults = Tokenizer.from_dir(
+            _variant(demo_folder, tmp_path, generation_config_json=self.QWEN3)
+        ).sampling_defaults
+        chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        params = chat.sampling_params(defaults)
+        assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.6, 0.95, 20, 0.0)
+        own = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "temperature": 0, "top_k": 5})
+        params = own.sampling_params(defaults)
+        assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.95, 5)
+        assert chat.sampling_params().temperature == 1.0  # no checkpoint defaults: the API's
+
+    @pytest.mark.parametrize("bad", [{"temperature": "hot"}, {"top_p": 1.5}, {"top_k": True}])
+    def test_a_bad_field_names_file_and_field(self, demo_folder: Path, tmp_path: Path, bad: dict[str, object]) -> None:
+        folder = _variant(demo_folder, tmp_path, generation_config_json=bad)
+        with pytest.raises(CheckpointError, match=rf"generation_config\.json.*{next(iter(bad))}"):
+            Tokenizer.from_dir(folder)
+
+
 class TestChatTemplate:
     def test_renders_with_and_without_generation_prompt(self, tokenizer: Tokenizer) -> None:
         body = f"{BOS_TOKEN}<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
