@@ -78,7 +78,7 @@ class EngineConfig:
         if self.dtype not in ("auto", *_DTYPE_NAMES):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be None, 'int8' or 'int4', not {self.quantization!r}")
+            raise ValueError(f"quantization must be None, 'int8', 'int4' or 'fp8', not {self.quantization!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -16,6 +16,7 @@ import torch
 
 from loraplex.engine.errors import CheckpointError
 from loraplex.engine.model.config_fields import ConfigFields, token_ids
+from loraplex.engine.model.fp8 import Fp8Format, read_fp8_format
 from loraplex.engine.model.layers.activation import Activation
 from loraplex.engine.model.layers.norm import NormKind
 from loraplex.engine.model.layers.rope import RopeConfig
@@ -48,6 +49,8 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     # GPTQ / AWQ 4-bit layers (engine/model/prequantized.py); None for a 16/32-bit checkpoint.
     prequantized: PrequantizedFormat | None = None
+    # FP8 weights as the checkpoint stores them (engine/model/fp8.py); None for any other checkpoint.
+    fp8: Fp8Format | None = None
     # --- what the families vary (defaults: Llama) ---------------------------------------------------------------
     hidden_act: Activation = "silu"
     norm_kind: NormKind = "llama"  # gemma: weights are offsets from 1, applied in float32
@@ -148,6 +151,7 @@ class ModelConfig:
             "bos_token_id": raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
             "eos_token_ids": token_ids(raw.get("eos_token_id")),
             "prequantized": read_prequantized_format(path, raw),
+            "fp8": read_fp8_format(raw),
             "headless": headless,
         }
         common.update(family.read(fields, common))

@@ -86,10 +86,12 @@ class DecoderModel:
 
     @property
     def quantization_label(self) -> str | None:
-        """What the layers' weights are: "int8" / "int4" (quantized at load), "gptq" / "awq" (read as the
-        checkpoint holds them), or None."""
+        """What the layers' weights are: "int8" / "int4" / "fp8" (quantized at load), "gptq" / "awq" / "fp8" (read
+        as the checkpoint holds them), or None."""
         if self.config.prequantized is not None:
             return self.config.prequantized.method
+        if self.config.fp8 is not None:
+            return "fp8"
         return self.quantization
 
     @property

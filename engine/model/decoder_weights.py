@@ -1,7 +1,7 @@
 """Reading a decoder's weights from its checkpoint into the layout the forward runs: q/k/v and gate/up fused (a fused
 checkpoint such as Phi-3's already is), q and k rows in rotary-pair order, Gemma's norm offsets as multipliers,
-quantized at load (int8 / int4) or read as a GPTQ / AWQ checkpoint stores them, and under tensor parallelism only this
-rank's share of each (engine/model/tensor_parallel.py).
+quantized at load (int8 / int4 / fp8) or read as a GPTQ / AWQ / FP8 checkpoint stores them, and under tensor
+parallelism only this rank's share of each (engine/model/tensor_parallel.py).
 
 One layer at a time: a quantized load never holds more than one layer's float weights.
 """
@@ -15,6 +15,7 @@ import torch
 
 from loraplex.engine.errors import CheckpointError
 from loraplex.engine.model.config import ModelConfig
+from loraplex.engine.model.fp8 import load_fp8
 from loraplex.engine.model.layers.norm import gemma_weight
 from loraplex.engine.model.layers.rope import rotary_order
 from loraplex.engine.model.prequantized import LoadedInt4, PrequantizedFormat, load_int4
@@ -28,6 +29,7 @@ from loraplex.engine.model.tensor_parallel import (
 )
 from loraplex.engine.model.weights import CheckpointTensors
 from loraplex.kernels.quant import Int4Weight, dequantize_int4, quantize_int4, quantize_int8
+from loraplex.kernels.quant_fp8 import FP8_DTYPE, Fp8Weight
 
 
 @dataclass(slots=True)
@@ -71,6 +73,24 @@ def qkv_row_order(config: ModelConfig) -> torch.Tensor:
     k = config.q_size + (torch.arange(config.num_kv_heads)[:, None] * d + per_head).reshape(-1)
     v = config.q_size + config.kv_size + torch.arange(config.kv_size)
     return torch.cat([q, k, v])
+
+
+def _stack(prefix: str, parts: list[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:
+    """Projections fused by rows (q, k, v; gate, up), all float or all FP8."""
+    if all(isinstance(part, torch.Tensor) for part in parts):
+        return torch.cat(parts)  # type: ignore[arg-type]
+    if not all(isinstance(part, Fp8Weight) for part in parts):
+        raise CheckpointError(f"'{prefix}': the projections to fuse are FP8 and 16-bit mixed; loraplex fuses like ones")
+    try:
+        return Fp8Weight.stack(parts)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise CheckpointError(f"'{prefix}': {exc}") from None
+
+
+def _rows(weight: torch.Tensor | Fp8Weight, rows: torch.Tensor) -> torch.Tensor | Fp8Weight:
+    if isinstance(weight, Fp8Weight):
+        return weight.rows(rows.to(weight.qweight.device))
+    return take_rows(weight, rows)
 
 
 def _map_rows(w: Int4Weight, reorder: Callable[[torch.Tensor], torch.Tensor]) -> Int4Weight:
@@ -129,6 +149,11 @@ class WeightLoader:
     def check(self) -> None:
         """What a checkpoint must not combine, before any tensor is read."""
         c, names = self.config, self.tensors.names
+        if c.fp8 is not None and self.quantization is not None:
+            raise CheckpointError(
+                f"the checkpoint is already quantized (FP8, {c.fp8.method}); leave quantization unset to serve it as "
+                f"it is, not {self.quantization!r}"
+            )
         if c.prequantized is not None and self.quantization is not None:
             raise CheckpointError(
                 f"the checkpoint is already quantized ({c.prequantized.method.upper()}, 4-bit); leave quantization "
@@ -164,9 +189,10 @@ class WeightLoader:
 
     def lm_head(self, embed: torch.Tensor) -> Weight | None:
         """The output layer: the embedding table itself when tied, None for a headless checkpoint without one; an
-        untied one int8 when quantizing (int4 too: the logits are where 4 bits would cost the most, as llama.cpp's
-        4-bit mixes keep their output layer at 6 bits; in decode it is the largest matmul of a small model;
-        decision 0039), else in the model's dtype."""
+        untied one int8 when quantizing to int8 or int4 (the logits are where 4 bits would cost the most, as
+        llama.cpp's 4-bit mixes keep their output layer at 6 bits; in decode it is the largest matmul of a small
+        model; decision 0039), FP8 where an FP8 checkpoint stores it so, else in the model's dtype (`fp8` at load
+        leaves it there, as vLLM does)."""
         c = self.config
         present = "lm_head.weight" in self.tensors.names
         if c.tie_word_embeddings:
@@ -176,7 +202,12 @@ class WeightLoader:
                 return None
             raise CheckpointError("the checkpoint has no 'lm_head.weight' and config.json does not tie embeddings")
         shape = (c.vocab_size, c.hidden_size)
-        if self.quantization is not None:
+        if c.fp8 is not None:  # an FP8 lm_head (most checkpoints leave it in 16 bits: then None here)
+            head = load_fp8(self.tensors, "lm_head", c.fp8, shape)
+            if head is not None:
+                head = head.to(self.device)
+                return head if self.shard is None else head.rows(slice(self.shard.vocab.start, self.shard.vocab.stop))
+        if self.quantization in ("int8", "int4"):
             return quantize_int8(self.vocab_rows(self.take("lm_head.weight", shape, dtype=torch.float32)))
         return matmul_layout(self.vocab_rows(self.take("lm_head.weight", shape)))
 
@@ -212,27 +243,33 @@ class WeightLoader:
         # Quantized projections are read in float32, so the rounding starts from the checkpoint's own values.
         proj_dtype = torch.float32 if self.quantization is not None else self.dtype
 
-        def proj(name: str, shape: tuple[int, int]) -> torch.Tensor:
+        def proj(name: str, shape: tuple[int, int]) -> torch.Tensor | Fp8Weight:
+            if c.fp8 is not None:  # FP8 where the checkpoint stores it so; a module it left in 16 bits is float
+                loaded = load_fp8(self.tensors, p + name.removesuffix(".weight"), c.fp8, shape)
+                if loaded is not None:
+                    return loaded.to(self.device)
             return self.take(p + name, shape, dtype=proj_dtype)
 
         if c.fused_projections:
             qkv = proj("self_attn.qkv_proj.weight", (c.q_size + 2 * c.kv_size, c.hidden_size))
             gate_up = proj("mlp.gate_up_proj.weight", (2 * c.intermediate_size, c.hidden_size))
         else:
-            qkv = torch.cat(
+            qkv = _stack(
+                p + "self_attn",
                 [
                     proj("self_attn.q_proj.weight", (c.q_size, c.hidden_size)),
                     proj("self_attn.k_proj.weight", (c.kv_size, c.hidden_size)),
                     proj("self_attn.v_proj.weight", (c.kv_size, c.hidden_size)),
-                ]
+                ],
             )
-            gate_up = torch.cat(
+            gate_up = _stack(
+                p + "mlp",
                 [
                     proj("mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
                     proj("mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
-                ]
+                ],
             )
-        qkv = take_rows(qkv, self._qkv_order)
+        qkv = _rows(qkv, self._qkv_order)
         shard = self.shard
         return LayerWeights(
             input_norm=self.norm(p + "input_layernorm.weight"),
@@ -314,18 +351,30 @@ class WeightLoader:
         bias = take_rows(bias, self._qkv_order)
         return take_rows(bias, self.shard.qkv_rows()) if self.shard is not None else bias
 
-    def _column(self, weight: torch.Tensor, rows: torch.Tensor | None) -> Weight:
+    def _column(self, weight: torch.Tensor | Fp8Weight, rows: torch.Tensor | None) -> Weight:
         """A column-parallel projection: this rank's output rows (quantization is per row, so splitting first
         gives TP=1's codes for them)."""
-        return self._quantized(weight if rows is None else take_rows(weight, rows))
+        return self._quantized(weight if rows is None else _rows(weight, rows))
 
-    def _row(self, weight: torch.Tensor, columns: range | None) -> Weight:
-        """A row-parallel projection: this rank's input columns, quantized as TP=1 quantizes the whole (int8 scales
-        over whole rows, int4 groups of the whole width's size)."""
+    def _row(self, weight: torch.Tensor | Fp8Weight, columns: range | None) -> Weight:
+        """A row-parallel projection: this rank's input columns, quantized as TP=1 quantizes the whole (int8 and fp8
+        scales over whole rows, int4 groups of the whole width's size)."""
+        if isinstance(weight, Fp8Weight):
+            if columns is None:
+                return weight
+            try:
+                return weight.columns(columns.start, columns.stop)
+            except ValueError:
+                raise CheckpointError(
+                    f"the checkpoint's FP8 scale blocks of {weight.col_block} input features do not split evenly over "
+                    f"{self.num_ranks} ranks: use fewer ranks"
+                ) from None
         if columns is None:
             return self._quantized(weight)
         if self.quantization == "int8":
             return take_int8_columns(quantize_int8(weight), columns)
+        if self.quantization == "fp8":
+            return quantize(weight, "fp8").columns(columns.start, columns.stop)  # type: ignore[union-attr]
         part = weight[:, columns.start : columns.stop].contiguous()
         if self.quantization == "int4":
             group_size = int4_group_size(weight.shape[1])
@@ -361,7 +410,9 @@ class WeightLoader:
     def num_ranks(self) -> int:
         return self.shard.size if self.shard is not None else 1
 
-    def _quantized(self, weight: torch.Tensor) -> Weight:
+    def _quantized(self, weight: torch.Tensor | Fp8Weight) -> Weight:
+        if isinstance(weight, Fp8Weight):
+            return weight
         if self.quantization is None:
             return matmul_layout(weight)
         try:
@@ -371,6 +422,12 @@ class WeightLoader:
 
     def take(self, name: str, shape: tuple[int, ...], *, dtype: torch.dtype | None = None) -> torch.Tensor:
         tensor = self.tensors.get_shaped(name, shape)
+        if tensor.dtype in (FP8_DTYPE, torch.float8_e5m2):
+            raise CheckpointError(
+                f"tensor '{name}' in {self.tensors.file_of(name)} is {tensor.dtype}, but config.json's "
+                "quantization_config names no FP8 scheme for it: loraplex reads FP8 weights with the scales its "
+                "'fp8' or 'compressed-tensors' quantization_config describes"
+            )
         if not tensor.is_floating_point():
             raise CheckpointError(
                 f"tensor '{name}' in {self.tensors.file_of(name)} has dtype {tensor.dtype}: loraplex loads 16/32-bit "

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from loraplex.engine.errors import CheckpointError
+from loraplex.engine.model.fp8 import FP8_METHODS
 from loraplex.kernels.quant import Int4Weight, pack_int4
 
 if TYPE_CHECKING:
@@ -67,8 +68,13 @@ def read_prequantized_format(path: Path | None, raw_config: dict[str, Any]) -> P
     if not isinstance(spec, dict):
         raise CheckpointError(f"{source} must be an object")
     method = spec.get("quant_method")
+    if method in FP8_METHODS:
+        return None  # FP8 (engine/model/fp8.py)
     if method not in ("gptq", "awq"):
-        raise CheckpointError(f"{source}: quant_method {method!r} is not supported; loraplex loads 'gptq' and 'awq'")
+        raise CheckpointError(
+            f"{source}: quant_method {method!r} is not supported; loraplex loads 'gptq', 'awq', 'fp8' and "
+            "'compressed-tensors' (FP8)"
+        )
     bits = spec.get("bits", spec.get("w_bit"))
     if bits != 4:
         raise CheckpointError(f"{source}: bits is {bits!r}; loraplex loads 4-bit {method.upper()} checkpoints only")

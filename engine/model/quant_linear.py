@@ -22,8 +22,9 @@ from loraplex.kernels.quant import (
     quantize_int8,
     workspace_elems,
 )
+from loraplex.kernels.quant_fp8 import Fp8Weight, fp8_linear, quantize_fp8
 
-QuantizedWeight = Int8Weight | Int4Weight
+QuantizedWeight = Int8Weight | Int4Weight | Fp8Weight
 Weight = torch.Tensor | QuantizedWeight
 
 # int4 groups run along in_features. A width that 128 does not divide (the demo model's intermediate size 704, the
@@ -58,6 +59,8 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     workspace = _workspace(x, weight.shape[1])
     if isinstance(weight, Int8Weight):
         return int8_linear(x, weight, bias, workspace=workspace)
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight, bias, workspace=workspace)
     return int4_linear(x, weight, bias, workspace=workspace)
 
 
@@ -69,6 +72,8 @@ def addmm(residual: torch.Tensor, x: torch.Tensor, weight: Weight) -> torch.Tens
     workspace = _workspace(x, weight.shape[1])
     if isinstance(weight, Int8Weight):
         return int8_linear(x, weight, residual=residual, workspace=workspace)
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight, residual=residual, workspace=workspace)
     return int4_linear(x, weight, residual=residual, workspace=workspace)
 
 
@@ -89,6 +94,8 @@ def quantize(weight: torch.Tensor, mode: QuantizationName) -> QuantizedWeight:
     that divides in_features."""
     if mode == "int8":
         return quantize_int8(weight)
+    if mode == "fp8":
+        return quantize_fp8(weight)
     return quantize_int4(weight, group_size=int4_group_size(weight.shape[1]))
 
 

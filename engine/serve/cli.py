@@ -53,13 +53,14 @@ def engine() -> None:
 )
 @click.option(
     "--quantization",
-    type=click.Choice(["int8", "int4"]),
+    type=click.Choice(["int8", "int4", "fp8"]),
     default=None,
     help="Quantize the decoder layers' weights at load (round to nearest): int8 per output channel, int4 in groups "
-    "of 128 with zero points; an untied lm_head becomes int8 in both. On CPUs with AVX-512 VNNI or AMX their "
-    "activations are rounded to 8 bits per token for integer matmuls (LORAPLEX_INT8_ACTIVATIONS=0 keeps them "
-    "float). Embeddings and LoRA adapters stay in --dtype. GPTQ and AWQ "
-    "4-bit checkpoints are recognized from their config and served as they are: leave this unset for them.",
+    "of 128 with zero points (an untied lm_head becomes int8 in both), fp8 (e4m3) per output channel. On CPUs with "
+    "AVX-512 VNNI or AMX int8 and int4 round activations to 8 bits per token for integer matmuls "
+    "(LORAPLEX_INT8_ACTIVATIONS=0 keeps them float). Embeddings and LoRA adapters stay in --dtype. GPTQ and AWQ "
+    "4-bit checkpoints and FP8 ones (quant_method fp8 or compressed-tensors) are recognized from their config and "
+    "served as they are: leave this unset for them.",
 )
 @click.option(
     "--max-model-len", type=click.IntRange(min=1), default=None, help="Context length cap (default: the model's)."

@@ -43,11 +43,12 @@ class _Encoded:
 class LLM:
     """Loads a model once and runs batches of prompts through the continuous-batching engine.
 
-    `quantization`: None, "int8" (per output channel) or "int4" (group-wise): the decoder layers' projections
-    are quantized at load from the 16/32-bit checkpoint, and an untied lm_head to int8 in both; embeddings and
-    LoRA adapters stay in `dtype`. On a CPU with AVX-512 VNNI or AMX, both also round activations to 8 bits per
-    token (kernels/quant.py's int8_activations; decision 0039).
-    A GPTQ or AWQ 4-bit checkpoint is recognized from its config and served as it is (leave `quantization` unset).
+    `quantization`: None, "int8" (per output channel), "int4" (group-wise) or "fp8" (e4m3 per output channel): the
+    decoder layers' projections are quantized at load from the 16/32-bit checkpoint, and an untied lm_head to int8
+    with int8 and int4; embeddings and LoRA adapters stay in `dtype`. On a CPU with AVX-512 VNNI or AMX, int8 and
+    int4 also round activations to 8 bits per token (kernels/quant.py's int8_activations; decision 0039).
+    A GPTQ or AWQ 4-bit checkpoint, or an FP8 one, is recognized from its config and served as it is (leave
+    `quantization` unset).
     `options` are EngineConfig fields: max_model_len, kv_budget, block_size, max_num_seqs,
     max_num_batched_tokens, seed, device, num_threads, served_model_name, tensor_parallel_size.
 

@@ -135,7 +135,7 @@ def test_act_orders_the_engine_cannot_fuse_or_group_are_refused(
         ({"quant_method": "gptq", "bits": 8, "group_size": 32}, r"bits is 8.*4-bit"),
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, r"AWQ version 'gemv'"),
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": False}, r"zero_point false"),
-        ({"quant_method": "bitsandbytes", "bits": 4}, r"quant_method 'bitsandbytes'.*'gptq' and 'awq'"),
+        ({"quant_method": "bitsandbytes", "bits": 4}, r"quant_method 'bitsandbytes'.*'gptq', 'awq', 'fp8'"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 0}, r"group_size must be"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 48}, r"group_size 48 does not divide"),
         (

@@ -12,10 +12,14 @@ int8.
 | trained test checkpoints, 256 positions | int8-a8 | >= 0.9998 (0.99984-0.99986) | >= 0.97 (0.980-0.996) |
 | trained test checkpoints, 256 positions | int4 | >= 0.99 (0.9924-0.9944) | >= 0.90 (0.941-0.961) |
 | trained test checkpoints, 256 positions | int4-a8 | >= 0.99 (0.9922-0.9943) | >= 0.90 (0.945-0.969) |
-| random test checkpoints, 256 random positions | int8 | >= 0.999 (0.99958-0.99966) | >= 0.93 (0.957-0.977) |
-| random test checkpoints, 256 random positions | int8-a8 | >= 0.9985 (0.99903-0.99922) | >= 0.90 (0.934-0.969) |
-| random test checkpoints, 256 random positions | int4 | >= 0.90 (0.920-0.935) | >= 0.44 (0.492-0.508) |
-| random test checkpoints, 256 random positions | int4-a8 | >= 0.90 (0.919-0.934) | >= 0.44 (0.473-0.512) |
+| random test checkpoints, 256 random positions | int8 | >= 0.999 (0.99954-0.99987) | >= 0.93 (0.934-0.988) |
+| random test checkpoints, 256 random positions | int8-a8 | >= 0.9985 (0.9989-0.99973) | >= 0.90 (0.918-0.992) |
+| random test checkpoints, 256 random positions | int4 | >= 0.90 (0.912-0.972) | >= 0.40 (0.445-0.805) |
+| random test checkpoints, 256 random positions | int4-a8 | >= 0.90 (0.911-0.972) | >= 0.40 (0.430-0.805) |
+| random phi3 (LongRoPE), 256 random positions | int8 | >= 0.999 (0.99926) | >= 0.88 (0.910) |
+| random phi3 (LongRoPE), 256 random positions | int8-a8 | >= 0.998 (0.99834) | >= 0.87 (0.902) |
+| random phi3 (LongRoPE), 256 random positions | int4 | >= 0.84 (0.8614) | >= 0.33 (0.363) |
+| random phi3 (LongRoPE), 256 random positions | int4-a8 | >= 0.84 (0.8608) | >= 0.33 (0.359) |
 | demo model on its text, 510 positions | int8 | >= 0.999 (0.999999) | >= 0.98 (1.000) |
 | demo model on its text, 510 positions | int8-a8 | >= 0.9999 (0.999992) | >= 0.98 (0.992) |
 | demo model on its text, 510 positions | int4 | >= 0.9995 (0.99988) | >= 0.94 (0.965) |
@@ -28,7 +32,10 @@ there counts ties more than quantization error: bf16 alone agrees with float32 o
 trained test checkpoints are the same five variants after 120 steps on a sparse bigram language
 (_support/checkpoints.py; top token 0.64 likely on average), where bf16 agrees on 0.992-0.996: they and the
 trained demo model are where top-1 means what a user sees (docs/decisions/0016-quantization-quality-checkpoints.md).
-The test checkpoints' widths (64, 160) are not multiples of 128: int4 uses groups of 64 and 32 there.
+The test checkpoints' widths (64, 160) are not multiples of 128: int4 uses groups of 64 and 32 there. The random
+phi3 checkpoint is the most sensitive: 192 of its 256 positions take LongRoPE's long factors, whose attention factor
+(1.41 here) scales every score by 2 and sharpens the random model's attention (the trained phi3 keeps the floors of
+every other variant).
 """
 
 from __future__ import annotations
@@ -68,7 +75,10 @@ NUM_POSITIONS = 256
 
 # (cosine, top-1) floors per (checkpoint kind, mode); see the module docstring for what was measured.
 TRAINED_FLOORS = {"int8": (0.9999, 0.98), "int8-a8": (0.9998, 0.97), "int4": (0.99, 0.90), "int4-a8": (0.99, 0.90)}
-RANDOM_FLOORS = {"int8": (0.999, 0.93), "int8-a8": (0.9985, 0.90), "int4": (0.90, 0.44), "int4-a8": (0.90, 0.44)}
+RANDOM_FLOORS = {"int8": (0.999, 0.93), "int8-a8": (0.9985, 0.90), "int4": (0.90, 0.40), "int4-a8": (0.90, 0.40)}
+RANDOM_FLOORS_OF = {
+    "phi3": {"int8": (0.999, 0.88), "int8-a8": (0.998, 0.87), "int4": (0.84, 0.33), "int4-a8": (0.84, 0.33)},
+}
 DEMO_FLOORS = {"int8": (0.999, 0.98), "int8-a8": (0.9999, 0.98), "int4": (0.9995, 0.94), "int4-a8": (0.9995, 0.94)}
 MODES = ["int8", "int8-a8", "int4", "int4-a8"]
 
@@ -179,7 +189,7 @@ def test_quantized_logits_stay_close_to_float32(
 ) -> None:
     llm = _llm(checkpoint(variant), use(mode))
     cosine, top1 = _agreement(_prompt_logits(llm, _random_prompt(NUM_POSITIONS, seed=7)), float_logits[variant])
-    min_cosine, min_top1 = RANDOM_FLOORS[mode]
+    min_cosine, min_top1 = RANDOM_FLOORS_OF.get(variant, RANDOM_FLOORS)[mode]
     assert cosine >= min_cosine, f"{variant} {mode}: cosine {cosine:.5f}"
     assert top1 >= min_top1, f"{variant} {mode}: top-1 agreement {top1:.3f}"
     assert cosine < 1 - 1e-6, "the weights were not quantized"
@@ -341,18 +351,18 @@ def test_demo_adapter_still_answers_in_upper_case(mode: str, use: Callable[[str]
 # --- options: honoured, or refused with the field's name ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", ["fp8", "INT8", "int2", ""])
+@pytest.mark.parametrize("value", ["fp4", "INT8", "int2", ""])
 def test_unknown_quantization_is_refused(value: str, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be None, 'int8', 'int4' or 'fp8'"):
         EngineConfig(model=tmp_path, quantization=value)  # type: ignore[arg-type]
 
 
 def test_cli_refuses_an_unknown_quantization(checkpoint: Callable[..., Path]) -> None:
     result = CliRunner().invoke(
-        main, ["engine", "serve", "--model", str(checkpoint("llama-gqa")), "--quantization", "fp8"]
+        main, ["engine", "serve", "--model", str(checkpoint("llama-gqa")), "--quantization", "fp4"]
     )
     assert result.exit_code == 2
-    assert "--quantization" in result.output and "fp8" in result.output
+    assert "--quantization" in result.output and "fp4" in result.output
 
 
 def test_an_int_typed_checkpoint_is_refused(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
