@@ -225,10 +225,36 @@ class Scheduler:
             budget -= num_new
         if deferred and budget > 0 and len(out.preempted) == num_urgent_preemptions:
             budget = self._admit(out, budget)  # the held keys' turn, with what is left: the step stays full
+        if deferred and not out.scheduled and not out.preempted:
+            # Every running prompt yielded, yet nothing could start or grow: the pool is full of prompts halfway
+            # through. Yielding again would repeat this step forever; they run as under plain memory pressure.
+            budget = self._grow_running(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         if self.speculator is not None:
             self._speculate(out, self.speculator)
         return out
+
+    def _grow_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedule the running requests in order, preempting the least urgent when one cannot grow; the budget
+        left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.memory.can_grow(request, num_new):
+                victim = self._victim(i)
+                self.running.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            self.memory.grow(request, num_new)
+            scheduled = ScheduledRequest(request, num_new)
+            self._charge(scheduled)
+            out.scheduled.append(scheduled)
+            budget -= num_new
+            i += 1
+        return budget
 
     def _speculate(self, out: SchedulerOutput, speculator: Speculator) -> None:
         """Give decoding rows the proposals the speculator picks for the step's free room, where their KV can grow

@@ -256,6 +256,24 @@ def test_a_flood_s_running_prompts_wait_for_another_key_s_arrival() -> None:
     assert queued in sched.waiting
 
 
+def test_a_pool_full_of_half_done_prompts_of_many_keys_still_makes_progress() -> None:
+    """Six keys' long prompts in a pool that holds one: their chunks interleave, so several running prompts hold all
+    pages halfway; each yields to another key's waiting request, which cannot start. Found livelocked (nothing
+    scheduled, forever) by the embedding tests; now they run as under plain memory pressure, preempting."""
+    sched = scheduler(pages=32, budget=16, max_seqs=8)  # 32 pages of 4 tokens: 128 tokens
+    requests = [request(f"k{i}", 60 + 10 * i, 1) for i in range(6)]
+    for r in requests:
+        sched.add(r)
+    run = Run(sched)
+    for _ in range(400):
+        if not sched.has_unfinished():
+            break
+        out = run.step()
+        assert out.scheduled or out.preempted or not sched.has_unfinished(), "a step did nothing"
+    assert not sched.has_unfinished()
+    assert sum(r.num_preemptions for r in requests) > 0
+
+
 def test_the_queue_counts_its_tokens_and_stats() -> None:
     sched = scheduler(max_seqs=1)
     a, b, c = request("a", 10, 2), request("b", 7, 2, priority=1), request("a", 5, 2)
