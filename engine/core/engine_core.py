@@ -21,6 +21,7 @@ from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.draft_model import DraftModel, DraftModelProposer
 from loraplex.engine.core.output_processor import OutputProcessor
 from loraplex.engine.core.outputs import RequestOutput
+from loraplex.engine.core.pooling import PoolingState, check_dimensions, read_pooling_config
 from loraplex.engine.core.reasoning import ReasoningMarkers, ReasoningState
 from loraplex.engine.core.reasoning_config import ReasoningConfig
 from loraplex.engine.core.rejection_sampler import accepted_prefix
@@ -95,6 +96,8 @@ class EngineCore:
         path = Path(config.model)
         self.model_config = ModelConfig.from_dir(path)
         self.tokenizer = Tokenizer.from_dir(path)
+        # An embedding model (sentence-transformers' modules.json, core/pooling.py) serves embedding requests only.
+        self.pooling_config = read_pooling_config(path)
         self.dtype = config.resolve_dtype(self.model_config.torch_dtype, self.device)
         self.max_model_len = self._resolve_max_model_len()
         self.served_model_name = config.served_model_name or path.name
@@ -312,6 +315,7 @@ class EngineCore:
         fairness_key: str = "",
         fairness_weight: float = 1.0,
         priority: int = 0,
+        pooling: PoolingState | None = None,
     ) -> Request:
         """Validate and queue a request; raises RequestError (ContextLengthExceeded) for bad input. A prompt a
         caller has checked already comes as the `CheckedPrompt` (and no `params`) and is not checked again. With
@@ -327,6 +331,7 @@ class EngineCore:
         with `prefill_after` naming the first, so the prompt is prefilled once and its blocks shared."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self.check_task(embedding=pooling is not None)
         checked = self.checked(prompt_token_ids, params)
         params = checked.params
         if params.n != 1:
@@ -357,11 +362,63 @@ class EngineCore:
             fairness_key=fairness_key,
             fairness_weight=float(fairness_weight),
             priority=priority,
+            pooling=pooling,
         )
         self.requests[request_id] = request
         self.outputs.add(request)
         self.scheduler.add(request)
         return request
+
+    def check_task(self, *, embedding: bool) -> None:
+        """RequestError unless the model does that: an embedding model embeds only, any other model generates only."""
+        if embedding == (self.pooling_config is not None):
+            return
+        raise RequestError(
+            "this model is an embedding model: it serves embeddings (/v1/embeddings), not generation"
+            if not embedding
+            else "this model is not an embedding model (its checkpoint has no sentence-transformers modules.json "
+            "with a Pooling module): it serves generation, not embeddings",
+            param="model",
+            code="model_not_supported",
+        )
+
+    def pooling_state(self, dimensions: int | None) -> PoolingState:
+        """A new embedding request's pooling, as the model pools; RequestError for a model that does not embed or
+        `dimensions` it cannot give."""
+        self.check_task(embedding=True)
+        check_dimensions(dimensions, self.model_config.hidden_size)
+        assert self.pooling_config is not None
+        return PoolingState(self.pooling_config.mode, self.pooling_config.normalize, dimensions)
+
+    def add_embedding_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        dimensions: int | None = None,
+        prompt: str | None = None,
+        lora: AdapterRef | None = None,
+        cache_salt: str | None = None,
+        fairness_key: str = "",
+        fairness_weight: float = 1.0,
+        priority: int = 0,
+    ) -> Request:
+        """Queue an embedding request: its prompt runs like any prompt (chunked, batched, preemptible) and it
+        finishes when the prompt is done, its output's `embedding` the pooled vector (core/pooling.py), keeping the
+        first `dimensions` components. RequestError for a model that is not an embedding model."""
+        pooling = self.pooling_state(dimensions)
+        return self.add_request(
+            request_id,
+            prompt_token_ids,
+            SamplingParams(temperature=0.0, max_tokens=1),
+            prompt=prompt,
+            lora=lora,
+            cache_salt=cache_salt,
+            fairness_key=fairness_key,
+            fairness_weight=fairness_weight,
+            priority=priority,
+            pooling=pooling,
+        )
 
     def set_reasoning(self, reasoning: ReasoningConfig | None) -> None:
         """Serve the model as a reasoning model with these settings (None: as none) from the next request on; requests
@@ -478,6 +535,12 @@ class EngineCore:
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
         self.num_batched_tokens += sched.num_batched_tokens
+        for request, _, _, _ in prepared.pooled_rows:
+            if request.is_prefilled:  # its prompt is done: the vector is ready, nothing is generated
+                assert request.pooling is not None
+                request.pooling.finish(request.num_prompt_tokens)
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+                outputs.append(self._finalize(request))
 
         rows, proposals = prepared.sample_requests, prepared.spec_token_ids
         num_emitted = 0

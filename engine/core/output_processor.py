@@ -157,6 +157,7 @@ class OutputProcessor:
             lora_name=request.adapter.ref.name if request.adapter is not None else None,
             error=request.error,
             queue_time_s=request.queue_time_s,
+            embedding=request.pooling.embedding if request.pooling is not None else None,
         )
 
     @staticmethod

@@ -55,3 +55,4 @@ class RequestOutput:
     lora_name: str | None = None
     error: str | None = None  # why it finished with finish_reason "error"
     queue_time_s: float | None = None  # from entering the engine to its first scheduling; None until it first ran
+    embedding: list[float] | None = None  # an embedding request's vector, once finished (core/pooling.py)

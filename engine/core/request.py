@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from loraplex.engine.core.ngram_proposer import NgramIndex
+from loraplex.engine.core.pooling import PoolingState
 from loraplex.engine.core.reasoning import ReasoningState
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.speculation_policy import AcceptanceEstimate
@@ -71,6 +72,15 @@ class Request:
     # LongRoPE checkpoints: every token of it rotates with the long factors (its prompt is past the original context;
     # decision 0045). Its blocks are kept apart from short-factor ones in the prefix cache (by its cache salt).
     long_rope: bool = False
+    # An embedding request (core/pooling.py): its prompt's hidden states are pooled as they are computed, and it
+    # finishes when the prompt is done, with no token generated. None: a generation request.
+    pooling: PoolingState | None = None
+
+    @property
+    def takes_prefix_hits(self) -> bool:
+        """Whether cached blocks may stand in for its prompt: not for an embedding request that pools every token
+        (mean) or the first (CLS), whose hidden states a hit would skip."""
+        return self.pooling is None or self.pooling.mode == "last"
 
     @property
     def is_prefilled(self) -> bool:

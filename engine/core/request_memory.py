@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from loraplex.engine.core.request import Request
 from loraplex.engine.lora.manager import AdapterManager, AdapterState
-from loraplex.engine.memory.kv_cache import KVCacheManager, PrefixHit
+from loraplex.engine.memory.kv_cache import NO_HIT, KVCacheManager, PrefixHit
 
 
 class Refusal(enum.Enum):
@@ -56,7 +56,7 @@ class RequestMemory:
             if pages is None:
                 return Refusal.NO_ROOM if entry.state is AdapterState.LOADED else Refusal.ADAPTER_NOT_READY
             adapter_pages = pages
-        hit = self.kv.find_prefix(request)
+        hit = self.kv.find_prefix(request) if request.takes_prefix_hits else NO_HIT
         num_new = min(request.num_tokens - hit.num_tokens, budget)
         if not self.kv.pool.can_allocate(self.kv.admission_pages(request, hit, num_new) + adapter_pages + reserve):
             return Refusal.NO_ROOM

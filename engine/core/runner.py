@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ class PreparedStep:
     sample_requests: list[Request]
     spec_token_ids: list[list[int]]
     logits_offsets: list[int]
+    # Embedding requests (core/pooling.py): (request, first row, end row, position of the first row) of this step's
+    # tokens, whose hidden states `execute` pools.
+    pooled_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -62,11 +65,19 @@ class ModelRunner:
             input_ids.extend(s.request.tokens(start, start + num_new - len(s.spec_token_ids)))
             input_ids.extend(s.spec_token_ids)
 
-        # A sampling row's last token, and before it one per proposal it verifies.
+        # A sampling row's last token, and before it one per proposal it verifies. An embedding request samples none.
         widths = np.fromiter(
-            (1 + len(s.spec_token_ids) if s.completes_prompt else 0 for s in scheduled), dtype=np.int64, count=num_seqs
+            (1 + len(s.spec_token_ids) if s.completes_prompt and s.request.pooling is None else 0 for s in scheduled),
+            dtype=np.int64,
+            count=num_seqs,
         )
-        sampling = [s for s in scheduled if s.completes_prompt]
+        sampling = [s for s in scheduled if s.completes_prompt and s.request.pooling is None]
+        pooled_rows: list[tuple[Request, int, int, int]] = []
+        row = 0
+        for s, start, num_new in zip(scheduled, starts.tolist(), query_lens.tolist(), strict=True):
+            if s.request.pooling is not None:
+                pooled_rows.append((s.request, row, row + num_new, start))
+            row += num_new
         host = HostBatch(
             input_ids,
             starts,
@@ -90,6 +101,7 @@ class ModelRunner:
             sample_requests=[s.request for s in sampling],
             spec_token_ids=[s.spec_token_ids for s in sampling],
             logits_offsets=[0, *np.cumsum(widths[widths > 0]).tolist()],
+            pooled_rows=pooled_rows,
         )
 
     def execute(self, step: PreparedStep) -> torch.Tensor:
@@ -97,6 +109,9 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(step.host)
         hidden = self.model.forward(step.batch, self.kv_caches)
+        for request, first, end, position in step.pooled_rows:
+            assert request.pooling is not None
+            request.pooling.add(hidden[first:end], position)
         return self.model.compute_logits(hidden[step.batch.logits_indices])
 
 

@@ -105,7 +105,7 @@ class Speculator:
         """Whether the row may verify proposals (the module's docstring: all but rows with logits processors, and
         rows with an output grammar whose think block is not over: where the grammar starts depends on what is
         kept)."""
-        if request.sampling_params.logits_processors:
+        if request.sampling_params.logits_processors or request.pooling is not None:
             return False
         return request.grammar is None or request.reasoning is None or not request.reasoning.is_open
 

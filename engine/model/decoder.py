@@ -263,6 +263,9 @@ class DecoderModel:
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         lm_head = self.lm_head
+        if lm_head is None and hidden.shape[0] == 0:  # a step of embedding requests only: no row samples
+            width = self.shard.vocab_per_rank if self.shard is not None else self.checkpoint_config.vocab_size
+            return hidden.new_zeros(0, width, dtype=torch.float32)
         if lm_head is None:
             raise CheckpointError(
                 "this checkpoint has no lm_head (a bare decoder, as embedding models are saved): it cannot generate"

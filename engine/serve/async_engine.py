@@ -32,6 +32,7 @@ from typing import Any, TypedDict, TypeVar, Unpack
 from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.engine_core import CheckedPrompt, EngineCore, EngineState
 from loraplex.engine.core.outputs import RequestOutput
+from loraplex.engine.core.pooling import PoolingState
 from loraplex.engine.core.reasoning_config import ReasoningConfig
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.errors import EngineError, EngineOverloaded
@@ -74,6 +75,7 @@ class _Add:
     fairness_key: str = ""
     fairness_weight: float = 1.0
     priority: int = 0
+    pooling: PoolingState | None = None
 
 
 @dataclass(slots=True)
@@ -268,6 +270,7 @@ class AsyncEngine:
         fairness_key: str = "",
         fairness_weight: float = 1.0,
         priority: int = 0,
+        pooling: PoolingState | None = None,
     ) -> RequestStream:
         """Queue a request now and return its outputs' stream (`generate` without its lazy start): a caller that
         must know the request was taken before it answers (a server, before its first byte) submits, then iterates.
@@ -275,6 +278,7 @@ class AsyncEngine:
         is full. Called on the event loop the stream is read on."""
         if self._error is not None:
             raise EngineDeadError("the engine has failed; restart it") from self._error
+        self.core.check_task(embedding=pooling is not None)  # an embedding request (pooling) or a generation one
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
@@ -310,6 +314,7 @@ class AsyncEngine:
                 fairness_key,
                 fairness_weight,
                 priority,
+                pooling,
             )
         )
         self._wakeup.set()
@@ -484,6 +489,7 @@ class AsyncEngine:
                     fairness_key=command.fairness_key,
                     fairness_weight=command.fairness_weight,
                     priority=command.priority,
+                    pooling=command.pooling,
                 )
             except Exception as exc:  # a request the checks on the loop let through (duplicate id): fail only it
                 command.sink.put(exc)

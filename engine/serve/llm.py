@@ -109,6 +109,38 @@ class LLM:
             _each(len(encoded), priority, int, "priorities"),
         )
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        dimensions: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """The embedding of every prompt (an embedding model's: its sentence-transformers pooling, engine/core/
+        pooling.py), in the order of `prompts`: each output's `embedding`, its first `dimensions` components."""
+        prompt_list: list[Prompt] = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        encoded = [self._encode(p) for p in prompt_list]
+        loras = self._loras_for(len(encoded), lora_request)
+        request_ids: list[str] = []
+        try:
+            for prompt, lora in zip(encoded, loras, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_embedding_request(
+                    request_id,
+                    prompt.token_ids,
+                    dimensions=dimensions,
+                    prompt=prompt.text,
+                    lora=lora,
+                    cache_salt=prompt.cache_salt,
+                )
+                request_ids.append(request_id)
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        finished = self._run(request_ids)
+        return [finished[request_id] for request_id in request_ids]
+
     def _encode(self, prompt: Prompt) -> _Encoded:
         if isinstance(prompt, str):
             return _Encoded(prompt, self.engine.tokenizer.encode(prompt))

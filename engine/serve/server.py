@@ -1,7 +1,8 @@
 """The engine's OpenAI-compatible HTTP server, shaped like vLLM's so its users feel at home.
 
 Routes: POST /v1/completions and /v1/chat/completions (streaming or not; `model` names the base model or a LoRA
-adapter, or a trusted caller names an adapter's files and digest in `lora_adapter`), GET /v1/models (the base model
+adapter, or a trusted caller names an adapter's files and digest in `lora_adapter`), POST /v1/embeddings (an
+embedding model's, engine/serve/embeddings.py), GET /v1/models (the base model
 and its adapters), POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), GET /v1/state (the load the
 platform's router reads), GET /healthz, GET /metrics (Prometheus). Every error, routing and body validation
 included, answers in OpenAI's envelope `{"error": {message, type, param, code}}`.
@@ -46,6 +47,7 @@ from loraplex.engine.errors import EngineError, EngineOverloaded, RequestError
 from loraplex.engine.lora.ref import LoRARequest
 from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected, ErrorDetail, ErrorResponse
 from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed
+from loraplex.engine.serve.embeddings import EmbeddingRequest, create_embeddings
 from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
 from loraplex.engine.serve.jobs import Job
 from loraplex.engine.serve.kv_routes import after_kv, before_kv, billed_usage, sweep_forever, transfer_stream
@@ -249,6 +251,15 @@ class OpenAIController(Controller):
             return _client_closed()
         finally:
             job.close()
+
+    @post("/embeddings", status_code=200, summary="Create embeddings (an embedding model's; OpenAI's embeddings API)")
+    async def embeddings(
+        self, data: JSONBody[EmbeddingRequest], request: Request[Any, Any, Any], serving: Serving
+    ) -> Response[Any]:
+        try:
+            return _json(await create_embeddings(serving, data, request))
+        except ClientDisconnected:
+            return _client_closed()
 
     @get("/models", summary="The base model and its LoRA adapters")
     async def models(self, serving: Serving) -> Response[bytes]:

@@ -451,7 +451,7 @@ def test_routing_and_body_errors_use_the_openai_envelope(server: Server) -> None
     )
     assert bad_json.status_code == 400
     assert set(bad_json.json()["error"]) == {"message", "type", "param", "code"}
-    missing = httpx.post(f"{server.url}/v1/embeddings", json={})
+    missing = httpx.post(f"{server.url}/v1/audio/speech", json={})
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "unknown_url"
     wrong_method = httpx.get(f"{server.url}/v1/completions")
