@@ -30,6 +30,9 @@ __all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Weight", "dequantize_fp8", "fp8_linear", 
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Every e4m3 bit pattern's float32 value: on the CPU a table lookup widens a tile 2.5x faster than torch's cast
+# (0.45 against 1.12 ms for 1408 x 512 on 2 threads here, against 0.35 ms for the 32-row matmul that follows).
+_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,14 @@ def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(codes, scales, weight.shape[1])
 
 
+def _widen(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """out (float32, codes' shape, contiguous) = the codes' values."""
+    if codes.device.type != "cpu":
+        out.copy_(codes)
+        return
+    torch.index_select(_VALUES, 0, codes.reshape(-1).view(torch.uint8).int(), out=out.view(-1))
+
+
 def dequantize_fp8(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float matrix the weight stands for."""
     values = w.qweight.float()
@@ -139,7 +150,7 @@ def fp8_linear(
     for start in range(0, out_features, rows):
         end = min(out_features, start + rows)
         t = tile[: end - start]
-        t.copy_(w.qweight[start:end])
+        _widen(w.qweight[start:end], t)
         if not w.per_row:
             _scale_tile(t, w.scales[start:end], w.col_block)
         torch.mm(xf, t.t(), out=y[:, start:end])
