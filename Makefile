@@ -58,8 +58,10 @@ chromium:
 BENCH_OVERHEAD_ARGS ?= --setup all --requests 100
 bench: $(STAMP) native
 	$(BIN)/python benchmarks/engine_throughput.py --repeats 1 --batch-sizes 32,64
+	for family in qwen3 gemma3 phi3; do $(BIN)/python benchmarks/engine_throughput.py --family $$family --batch-sizes 32; done
 	$(BIN)/python benchmarks/lora_throughput.py --repeats 1 --batch-sizes 64
-	$(BIN)/python benchmarks/quant_throughput.py --rounds 2 --requests 32 --modes float32,bfloat16,int8,int4
+	$(BIN)/python benchmarks/sliding_window_memory.py
+	$(BIN)/python benchmarks/quant_throughput.py --rounds 2 --requests 32 --modes float32,bfloat16,int8,int4,fp8
 	$(BIN)/python benchmarks/platform_overhead.py $(BENCH_OVERHEAD_ARGS)
 	$(BIN)/python benchmarks/tensor_parallel.py
 	$(BIN)/python benchmarks/kv_transfer.py

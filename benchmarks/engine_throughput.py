@@ -8,14 +8,20 @@ Compares, in one run on this machine:
 Throughput counts useful output tokens: the tokens each request asked for (ignore_eos, so exactly max_tokens).
 
     .venv/bin/python benchmarks/engine_throughput.py [--threads 2] [--batch-sizes 16,32,64] [--skip-transformers]
-        [--dtype float32|bfloat16|float16] [--repeats 1]
+        [--dtype float32|bfloat16|float16] [--repeats 1] [--family llama|qwen3|gemma3|phi3]
+
+--family writes a random checkpoint of that family in the same shape (hidden 512, 8 layers, 8 heads of 64, 4 KV
+heads, MLP 1408, vocabulary 32000) with transformers itself: Qwen3 with its q/k norms, Gemma 3 with five sliding
+layers (window 512) to each global one and its embedding scale, Phi-3 with fused projections. A family's ratio to
+transformers is compared with Llama's from a run on the same machine.
 
 With --repeats N both sides run N times, alternating (loraplex, then transformers at every batch size); each side
 keeps its best run, and every run is listed: a shared host can slow one run by far more than the difference
 being measured.
 
 writes benchmarks/results/engine_throughput.json (float32, the issue's workload) or
-engine_throughput_<dtype>.json: the checkpoint, both engines and the limit's 2048-square matmul all in that dtype.
+engine_throughput_<dtype>.json: the checkpoint, both engines and the limit's 2048-square matmul all in that dtype;
+with a --family other than llama, engine_throughput_<family>.json (float32).
 """
 
 from __future__ import annotations
@@ -56,6 +62,55 @@ def make_workload(vocab_size: int, seed: int = 0) -> Workload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(4, vocab_size) for _ in range(rng.randint(*PROMPT_LENS))] for _ in range(NUM_REQUESTS)]
     return Workload(prompts=prompts, max_tokens=[rng.randint(*OUTPUT_LENS) for _ in range(NUM_REQUESTS)])
+
+
+FAMILIES = ("llama", "qwen3", "gemma3", "phi3")
+
+
+def write_family_model(path: Path, family: str, dtype: str) -> Path:
+    """A random checkpoint of `family` in BENCHMARK_SPEC's shape, written by transformers, with the demo tokenizer."""
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    from loraplex.engine.tools.demo import write_tokenizer
+
+    spec = BENCHMARK_SPEC
+    shape: dict[str, Any] = {
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": None,
+    }
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    if family == "qwen3":
+        config: Any = Qwen3Config(**shape, head_dim=head_dim, tie_word_embeddings=False)
+        model: Any = Qwen3ForCausalLM(config)
+    elif family == "gemma3":
+        layers = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(spec.num_hidden_layers)]
+        config = Gemma3TextConfig(
+            **shape, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=512, layer_types=layers
+        )
+        model = Gemma3ForCausalLM(config)
+    elif family == "phi3":
+        config = Phi3Config(**shape, original_max_position_embeddings=spec.max_position_embeddings)
+        model = Phi3ForCausalLM(config)
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    model.to(getattr(torch, dtype)).save_pretrained(path)
+    write_tokenizer(path, vocab_size=spec.vocab_size)
+    return path
 
 
 def workload_flops(config: ModelConfig, workload: Workload) -> float:
@@ -164,12 +219,17 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side, alternating; best kept")
+    parser.add_argument("--family", choices=FAMILIES, default="llama")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_random_model(Path(tmp) / "model", dataclasses.replace(BENCHMARK_SPEC, torch_dtype=args.dtype))
+        if args.family == "llama":
+            spec = dataclasses.replace(BENCHMARK_SPEC, torch_dtype=args.dtype)
+            model_dir = write_random_model(Path(tmp) / "model", spec)
+        else:
+            model_dir = write_family_model(Path(tmp) / "model", args.family, args.dtype)
         config = ModelConfig.from_dir(model_dir)
         workload = make_workload(config.vocab_size)
         flops = workload_flops(config, workload)
@@ -193,6 +253,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "machine": machine(args.threads),
         "model": {
+            "family": args.family,
             "parameters": config.num_parameters(),
             "hidden": config.hidden_size,
             "layers": config.num_layers,
@@ -220,6 +281,8 @@ def main() -> None:
     if theirs is not None:
         result["loraplex_over_transformers"] = ours["tokens_per_s"] / theirs["best_tokens_per_s"]
     path = RESULTS if args.dtype == "float32" else RESULTS.with_name(f"engine_throughput_{args.dtype}.json")
+    if args.family != "llama":
+        path = RESULTS.with_name(f"engine_throughput_{args.family}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -44,6 +44,7 @@ MODES: dict[str, tuple[str, str | None]] = {
     "bfloat16": ("bfloat16", None),
     "int8": ("float32", "int8"),
     "int4": ("float32", "int4"),
+    "fp8": ("float32", "fp8"),
     "int8-bf16": ("bfloat16", "int8"),
     "int4-bf16": ("bfloat16", "int4"),
 }

@@ -40,12 +40,22 @@ BENCHMARKS: dict[str, Benchmark] = {
     "engine_throughput_bfloat16": Benchmark(
         f"{PYTHON} benchmarks/engine_throughput.py --dtype bfloat16", "the same in bfloat16"
     ),
+    **{
+        f"engine_throughput_{family}": Benchmark(
+            f"{PYTHON} benchmarks/engine_throughput.py --family {family} --batch-sizes 32",
+            f"the same on a random {family} checkpoint",
+        )
+        for family in ("qwen3", "gemma3", "phi3")
+    },
+    "sliding_window_memory": Benchmark(
+        f"{PYTHON} benchmarks/sliding_window_memory.py", "KV memory with sliding windows against full attention"
+    ),
     "lora_throughput": Benchmark(
         f"{PYTHON} benchmarks/lora_throughput.py --repeats 1 --batch-sizes 64",
         "offline multi-LoRA throughput against peft",
     ),
     "quant_throughput": Benchmark(
-        f"{PYTHON} benchmarks/quant_throughput.py --rounds 2 --requests 32 --modes float32,bfloat16,int8,int4",
+        f"{PYTHON} benchmarks/quant_throughput.py --rounds 2 --requests 32 --modes float32,bfloat16,int8,int4,fp8",
         "quantized weights: speed and memory",
     ),
     "quant_quality": Benchmark(f"{PYTHON} benchmarks/quant_quality.py", "quantized weights: perplexity"),
