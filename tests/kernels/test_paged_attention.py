@@ -415,6 +415,15 @@ def test_rejects_bad_inputs(fn: Any, case: str, change: dict[str, Any], message:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("window", "softcap"), [(24, None), (16, 50.0), (None, 20.0)], ids=["window", "both", "cap"])
+def test_cuda_kernel_windows_and_caps_match_torch_path(window: int | None, softcap: float | None) -> None:
+    batch = make_batch(VARIANT_LAYOUTS, num_heads=8, sliding_window=window, softcap=softcap, device="cuda")
+    expected = pa.paged_attention_torch(*batch.args(), **batch.kwargs())
+    actual = pa.paged_attention(*batch.args(), **batch.kwargs())
+    torch.testing.assert_close(actual, expected, atol=ATOL[torch.float32], rtol=0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cuda_kernel_matches_torch_path(dtype: torch.dtype) -> None:
     batch = make_batch(DECODE + FRESH + CHUNKED + [(300, 300), (64, 400)], num_heads=8, dtype=dtype, device="cuda")
