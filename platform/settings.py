@@ -196,9 +196,9 @@ class Settings(BaseSettings):
     engine_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="Weight and activation dtype of the embedded engine."
     )
-    engine_quantization: Literal["none", "int8", "int4"] | None = Field(
+    engine_quantization: Literal["none", "int8", "int4", "fp8"] | None = Field(
         default=None,
-        description="Weight-only quantization of the embedded engine's base model, done at load: int8 or int4; "
+        description="Weight-only quantization of the embedded engine's base model, done at load: int8, int4 or fp8; "
         "none forces full weights. Unset: what the base model was registered with (none at first start).",
     )
     engine_speculative_config: str | None = Field(

@@ -13,6 +13,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from litestar.testing import AsyncTestClient
 from sqlalchemy import Connection, DateTime, Uuid, bindparam, inspect, text
+from sqlalchemy.exc import IntegrityError
 
 from loraplex.platform.app import create_app
 from loraplex.platform.db.engine import create_engine
@@ -159,3 +160,41 @@ async def test_the_reasoning_migration_on_postgres(database_url: str) -> None:
 @pytest.mark.unit
 async def test_the_reasoning_migration_on_sqlite(tmp_path: Path) -> None:
     await _reasoning_upgrade_keeps_prices_and_usage(f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}")
+
+
+async def _fp8_base_models(url: str) -> None:
+    """0009: a base model may be registered as fp8; going back clears that (the old constraint refuses it)."""
+    engine = create_engine(url)
+    insert = text(
+        "INSERT INTO base_models (id, name, source, quantization, status, created_at) "
+        "VALUES (:id, :name, '/m', :quantization, 'ready', :at)"
+    ).bindparams(bindparam("id", type_=Uuid()), bindparam("at", type_=DateTime(timezone=True)))
+    try:
+        await upgrade(engine, "0008")
+        async with engine.begin() as connection:
+            with pytest.raises(IntegrityError):
+                async with connection.begin_nested():
+                    await connection.execute(
+                        insert, {"id": uuid.uuid4(), "name": "early", "quantization": "fp8", "at": datetime.now(UTC)}
+                    )
+        await upgrade(engine)
+        async with engine.begin() as connection:
+            for name, quantization in (("m8", "fp8"), ("m4", "int4")):
+                values = {"id": uuid.uuid4(), "name": name, "quantization": quantization, "at": datetime.now(UTC)}
+                await connection.execute(insert, values)
+        await downgrade(engine, "0008")
+        async with engine.connect() as connection:
+            rows = (await connection.execute(text("SELECT name, quantization FROM base_models ORDER BY name"))).all()
+            assert [tuple(row) for row in rows] == [("m4", "int4"), ("m8", None)]
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.integration
+async def test_the_fp8_migration_on_postgres(database_url: str) -> None:
+    await _fp8_base_models(database_url)
+
+
+@pytest.mark.unit
+async def test_the_fp8_migration_on_sqlite(tmp_path: Path) -> None:
+    await _fp8_base_models(f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}")

@@ -19,11 +19,14 @@ from loraplex.platform.db.base import Base, utcnow
 class Quantization(enum.StrEnum):
     INT8 = "int8"
     INT4 = "int4"
+    FP8 = "fp8"
 
 
 class BaseModel(Base):
     __tablename__ = "base_models"
-    __table_args__ = (CheckConstraint("quantization IS NULL OR quantization IN ('int8', 'int4')", name="quantization"),)
+    __table_args__ = (
+        CheckConstraint("quantization IS NULL OR quantization IN ('int8', 'int4', 'fp8')", name="quantization"),
+    )
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     # What `model` names in completions and what engines announce they serve.

@@ -401,6 +401,8 @@ def test_embedded_engine_follows_the_setting_then_the_registered_base_model() ->
     assert embedded_quantization(Settings(), "int4") == "int4"
     assert embedded_quantization(Settings(engine_quantization="int8"), "int4") == "int8"
     assert embedded_quantization(Settings(engine_quantization="none"), "int4") is None
+    assert embedded_quantization(Settings(engine_quantization="fp8"), None) == "fp8"
+    assert embedded_quantization(Settings(), "fp8") == "fp8"
 
 
 def test_embedded_engine_serves_and_records_the_quantization(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
