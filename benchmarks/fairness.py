@@ -36,7 +36,7 @@ import torch
 
 from loraplex.engine import SamplingParams
 from loraplex.engine.core.config import EngineConfig
-from loraplex.engine.core.engine_core import EngineState
+from loraplex.engine.core.engine_state import EngineState
 from loraplex.engine.serve.async_engine import AsyncEngine
 from loraplex.engine.tools.demo import BENCHMARK_SPEC, write_random_model
 

@@ -14,7 +14,7 @@ from typing import Any
 import report_platform
 import report_plots
 import report_suite
-from report_data import Results, mib, ms, num, pct, table, writes, x
+from report_data import PYTHON, Results, mib, ms, num, pct, table, writes, x
 from report_plots import Plots
 
 Render = Callable[[dict[str, Any], Results, Plots], list[str]]
@@ -75,15 +75,12 @@ def engine(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
     if family_ratios:
         lines += [
             "",
-            "The other families are random checkpoints of the same shape written by transformers (Gemma 3 with five"
-            " sliding layers of window 512 to each global one); their ratio to transformers over Llama's: "
+            "Other families: random checkpoints of this shape written by transformers; their ratio over Llama's: "
             + ", ".join(family_ratios)
-            + ". "
-            + "; ".join(writes(name) for name in FAMILY_RUNS if results.get(name) is not None)
-            + ".",
+            + f" (`{PYTHON} benchmarks/engine_throughput.py --family <family> --batch-sizes 32`).",
         ]
     runs = doc.get("runs", {}).get("loraplex_tokens_per_s")
-    if runs:
+    if runs and len(runs) > 1:
         lines += ["", f"float32: the best of {len(runs)} alternating runs of each side (all in the results file)."]
     lines += ["", writes("engine_throughput") + ";", writes("engine_throughput_bfloat16") + "."]
     return lines
@@ -508,18 +505,15 @@ def sliding_window_memory(doc: dict[str, Any], results: Results, plots: Plots) -
         )
     probe = doc["engine"]
     lines = [
-        "KV one sequence holds once its prompt is prefilled, over what full attention holds (Gemma 3: five sliding"
-        f" layers to each global one; {doc['block_size']}-token blocks, {num(doc['chunk'])}-token chunks), from the"
-        " engine's own page books; the bound is what holding exactly each window would give.",
+        "KV one Gemma 3 sequence (5 sliding layers : 1 global) holds once prefilled, over full attention's, from the"
+        " engine's page books; the bound holds exactly each window.",
         "",
     ]
     lines += table(["shape", "8k tokens", "bound at 8k", "32k tokens"], rows)
     lines += [
         "",
-        f"A real engine on a random 6-layer Gemma 3 (window 512) holds {probe['held_over_full']:.3f} of the pool pages"
-        f" the same model without windows holds for one {num(probe['tokens'])}-token prompt. With a window of 1024"
-        " no allocator reaches a quarter at 8k tokens (decision 0046). "
-        f"{writes('sliding_window_memory')}.",
+        f"A real engine (random 6-layer Gemma 3) holds {probe['held_over_full']:.3f} of its windowless pages at"
+        f" {num(probe['tokens'])} tokens. {writes('sliding_window_memory')}.",
     ]
     return lines
 

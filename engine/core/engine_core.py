@@ -19,9 +19,16 @@ import torch
 
 from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.draft_model import DraftModel, DraftModelProposer
+from loraplex.engine.core.engine_state import EngineState, snapshot
 from loraplex.engine.core.output_processor import OutputProcessor
 from loraplex.engine.core.outputs import RequestOutput
-from loraplex.engine.core.pooling import PoolingState, check_dimensions, read_pooling_config
+from loraplex.engine.core.pooling import (
+    EMBEDDING_PARAMS,
+    PoolingState,
+    check_task,
+    new_pooling_state,
+    read_pooling_config,
+)
 from loraplex.engine.core.reasoning import ReasoningMarkers, ReasoningState
 from loraplex.engine.core.reasoning_config import ReasoningConfig
 from loraplex.engine.core.rejection_sampler import accepted_prefix
@@ -31,8 +38,8 @@ from loraplex.engine.core.row_sampler import RowSampler
 from loraplex.engine.core.runner import ModelRunner
 from loraplex.engine.core.sampler import Sampler, TokenLogprobs
 from loraplex.engine.core.sampling_params import SamplingParams
-from loraplex.engine.core.scheduler import KeyService, QueueStats, Scheduler, SchedulerConfig
-from loraplex.engine.core.speculator import SpeculationCounts, Speculator
+from loraplex.engine.core.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.core.speculator import Speculator
 from loraplex.engine.core.structured_output import CompiledGrammar, GrammarCompiler, GrammarState
 from loraplex.engine.errors import ContextLengthExceeded, RequestError
 from loraplex.engine.lora.batch import LoraCompute
@@ -40,7 +47,7 @@ from loraplex.engine.lora.manager import AdapterEntry, AdapterManager, AdapterMa
 from loraplex.engine.lora.ref import AdapterRef, LoRARequest
 from loraplex.engine.memory.kv_cache import KVCacheManager
 from loraplex.engine.memory.kv_groups import KVGroups
-from loraplex.engine.memory.page_pool import PagePool, PoolUsage, kv_page_elems
+from loraplex.engine.memory.page_pool import PagePool, kv_page_elems
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.decoder import DecoderModel
 from loraplex.engine.model.tensor_parallel import ShardPlan
@@ -60,31 +67,6 @@ class CheckedPrompt:
     params: SamplingParams
     max_tokens: int  # min(params.max_tokens, room left in the context)
     grammar: CompiledGrammar | None = None  # params.structured_outputs, compiled
-
-
-@dataclass(frozen=True, slots=True)
-class EngineState:
-    """What the platform's router reads: load and free capacity."""
-
-    num_waiting: int
-    num_running: int
-    pool: PoolUsage
-    num_preemptions: int
-    num_steps: int
-    prefix_cache_blocks: int = 0  # full blocks the prefix cache knows (in use or evictable)
-    prefix_cache_queried_tokens: int = 0  # prompt tokens of admitted requests, since start
-    prefix_cache_hit_tokens: int = 0  # of those, served from the cache
-    weight_bytes: int = 0  # the model's weights as kept (quantized ones with their scales)
-    quantization: str | None = None  # None, "int8" or "int4" (quantized at load), "gptq" or "awq" (as stored)
-    num_waiting_tokens: int = 0  # tokens the waiting requests have to compute
-    num_batched_tokens: int = 0  # tokens computed by every step since start (the rate of work)
-    queues: tuple[QueueStats, ...] = ()  # waiting and running per (fairness key, priority)
-    keys: tuple[KeyService, ...] = ()  # each fairness key's VTC counter, tokens served, preemptions
-    # Speculation's totals per adapter name ("" the base model): (adapter, counts); empty when it is off.
-    speculation: tuple[tuple[str, SpeculationCounts], ...] = ()
-    # Names of the adapters of the running and of the waiting requests, each once, in queue order.
-    running_adapters: tuple[str, ...] = ()
-    waiting_adapters: tuple[str, ...] = ()
 
 
 class EngineCore:
@@ -327,11 +309,16 @@ class EngineCore:
         `fairness_key` and `fairness_weight` share the engine fairly between keys (the platform's tenants), `priority`
         orders admission before that (lower first): see the scheduler.
 
+        With `pooling` (`pooling_state`) it is an embedding request (core/pooling.py): its prompt runs like any, and
+        it finishes when the prompt is done, its output's `embedding` the pooled vector; it needs no `params`.
+
         One request is one choice: an n-choice request is n of them (`SamplingParams.choice`), each after the first
         with `prefill_after` naming the first, so the prompt is prefilled once and its blocks shared."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         self.check_task(embedding=pooling is not None)
+        if pooling is not None and params is None and not isinstance(prompt_token_ids, CheckedPrompt):
+            params = EMBEDDING_PARAMS  # an embedding request generates nothing
         checked = self.checked(prompt_token_ids, params)
         params = checked.params
         if params.n != 1:
@@ -371,54 +358,11 @@ class EngineCore:
 
     def check_task(self, *, embedding: bool) -> None:
         """RequestError unless the model does that: an embedding model embeds only, any other model generates only."""
-        if embedding == (self.pooling_config is not None):
-            return
-        raise RequestError(
-            "this model is an embedding model: it serves embeddings (/v1/embeddings), not generation"
-            if not embedding
-            else "this model is not an embedding model (its checkpoint has no sentence-transformers modules.json "
-            "with a Pooling module): it serves generation, not embeddings",
-            param="model",
-            code="model_not_supported",
-        )
+        check_task(self.pooling_config, embedding=embedding)
 
     def pooling_state(self, dimensions: int | None) -> PoolingState:
-        """A new embedding request's pooling, as the model pools; RequestError for a model that does not embed or
-        `dimensions` it cannot give."""
-        self.check_task(embedding=True)
-        check_dimensions(dimensions, self.model_config.hidden_size)
-        assert self.pooling_config is not None
-        return PoolingState(self.pooling_config.mode, self.pooling_config.normalize, dimensions)
-
-    def add_embedding_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        *,
-        dimensions: int | None = None,
-        prompt: str | None = None,
-        lora: AdapterRef | None = None,
-        cache_salt: str | None = None,
-        fairness_key: str = "",
-        fairness_weight: float = 1.0,
-        priority: int = 0,
-    ) -> Request:
-        """Queue an embedding request: its prompt runs like any prompt (chunked, batched, preemptible) and it
-        finishes when the prompt is done, its output's `embedding` the pooled vector (core/pooling.py), keeping the
-        first `dimensions` components. RequestError for a model that is not an embedding model."""
-        pooling = self.pooling_state(dimensions)
-        return self.add_request(
-            request_id,
-            prompt_token_ids,
-            SamplingParams(temperature=0.0, max_tokens=1),
-            prompt=prompt,
-            lora=lora,
-            cache_salt=cache_salt,
-            fairness_key=fairness_key,
-            fairness_weight=fairness_weight,
-            priority=priority,
-            pooling=pooling,
-        )
+        """A new embedding request's pooling, as the model pools (RequestError if it does not embed)."""
+        return new_pooling_state(self.pooling_config, dimensions, self.model_config.hidden_size)
 
     def set_reasoning(self, reasoning: ReasoningConfig | None) -> None:
         """Serve the model as a reasoning model with these settings (None: as none) from the next request on; requests
@@ -612,34 +556,7 @@ class EngineCore:
         return output
 
     def state(self) -> EngineState:
-        cache = self.kv.prefix_cache
-        return EngineState(
-            num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running),
-            pool=self.pool.usage(),
-            num_preemptions=self.num_preemptions,
-            num_steps=self.num_steps,
-            prefix_cache_blocks=cache.num_blocks if cache is not None else 0,
-            prefix_cache_queried_tokens=cache.stats.queried_tokens if cache is not None else 0,
-            prefix_cache_hit_tokens=cache.stats.hit_tokens if cache is not None else 0,
-            weight_bytes=self.weight_bytes,
-            quantization=self.model.quantization_label,
-            num_waiting_tokens=self.scheduler.num_waiting_tokens,
-            num_batched_tokens=self.num_batched_tokens,
-            queues=tuple(self.scheduler.queue_stats()),
-            keys=tuple(self.scheduler.key_service()),
-            speculation=tuple(
-                (name, dataclasses.replace(counts)) for name, counts in speculator.stats.by_adapter.items()
-            )
-            if (speculator := self.scheduler.speculator) is not None
-            else (),
-            running_adapters=tuple(
-                dict.fromkeys(r.adapter.ref.name for r in self.scheduler.running if r.adapter is not None)
-            ),
-            waiting_adapters=tuple(
-                dict.fromkeys(r.adapter.ref.name for r in self.scheduler.waiting if r.adapter is not None)
-            ),
-        )
+        return snapshot(self)
 
     # --- tensor parallelism's other ranks ------------------------------------------------------------------------
 

@@ -19,10 +19,13 @@ from typing import Literal
 
 import torch
 
+from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.errors import CheckpointError, RequestError
 
 PoolingMode = Literal["last", "mean", "cls"]
 
+# What an embedding request is checked with: its prompt, and room for one position, which it never generates.
+EMBEDDING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 MODULES_FILE = "modules.json"
 _POOLING_TYPE = "sentence_transformers.models.Pooling"
 _NORMALIZE_TYPE = "sentence_transformers.models.Normalize"
@@ -128,3 +131,26 @@ def check_dimensions(dimensions: int | None, hidden_size: int) -> None:
             f"dimensions must be an integer from 1 to {hidden_size} (the model's embedding size), got {dimensions!r}",
             param="dimensions",
         )
+
+
+def check_task(config: PoolingConfig | None, *, embedding: bool) -> None:
+    """RequestError unless a model of this pooling (None: not an embedding model) does that task."""
+    if embedding == (config is not None):
+        return
+    raise RequestError(
+        "this model is an embedding model: it serves embeddings (/v1/embeddings), not generation"
+        if not embedding
+        else "this model is not an embedding model (its checkpoint has no sentence-transformers modules.json "
+        "with a Pooling module): it serves generation, not embeddings",
+        param="model",
+        code="model_not_supported",
+    )
+
+
+def new_pooling_state(config: PoolingConfig | None, dimensions: int | None, hidden_size: int) -> PoolingState:
+    """A new embedding request's pooling; RequestError for a model that does not embed or `dimensions` it cannot
+    give."""
+    check_task(config, embedding=True)
+    assert config is not None
+    check_dimensions(dimensions, hidden_size)
+    return PoolingState(config.mode, config.normalize, dimensions)

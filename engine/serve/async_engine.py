@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar, Unpack
 
 from loraplex.engine.core.config import EngineConfig
-from loraplex.engine.core.engine_core import CheckedPrompt, EngineCore, EngineState
+from loraplex.engine.core.engine_core import CheckedPrompt, EngineCore
+from loraplex.engine.core.engine_state import EngineState
 from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.core.pooling import PoolingState
 from loraplex.engine.core.reasoning_config import ReasoningConfig

@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 from loraplex.engine.core.outputs import RequestOutput
-from loraplex.engine.core.sampling_params import SamplingParams
+from loraplex.engine.core.pooling import EMBEDDING_PARAMS
 from loraplex.engine.errors import RequestError
 from loraplex.engine.serve.async_engine import RequestStream
 from loraplex.engine.serve.jobs import unless_disconnected
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
     from loraplex.engine.serve.serving import OpenAIServing
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
-# What an embedding request is checked with: its prompt, and room for the one position pooling needs no token of.
-_EMBED_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class EmbeddingRequest(BaseModel):
@@ -129,7 +127,7 @@ async def create_embeddings(
     try:
         for index, token_ids in enumerate(token_lists):
             try:  # context length and vocabulary, before anything is queued
-                checked = core.check_request(token_ids, _EMBED_PARAMS)
+                checked = core.check_request(token_ids, EMBEDDING_PARAMS)
             except RequestError as exc:
                 exc.param = "input"
                 raise

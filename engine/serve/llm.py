@@ -125,13 +125,13 @@ class LLM:
         try:
             for prompt, lora in zip(encoded, loras, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_embedding_request(
+                self.engine.add_request(
                     request_id,
                     prompt.token_ids,
-                    dimensions=dimensions,
                     prompt=prompt.text,
                     lora=lora,
                     cache_salt=prompt.cache_salt,
+                    pooling=self.engine.pooling_state(dimensions),
                 )
                 request_ids.append(request_id)
         except BaseException:

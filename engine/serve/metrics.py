@@ -27,9 +27,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from loraplex.engine.core.engine_core import (
-        EngineState,  # the core pulls in torch; these metrics only read its snapshot
-    )
+    from loraplex.engine.core.engine_state import EngineState  # these metrics only read the engine's snapshot
     from loraplex.engine.memory.page_pool import PoolUsage
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the classic text format every Prometheus version scrapes

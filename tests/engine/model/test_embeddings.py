@@ -84,7 +84,7 @@ def test_preemption_and_prefix_hits_keep_the_vectors(tmp_path: Path) -> None:
     expected = [alone.embed({"prompt_token_ids": p})[0].embedding for p in prompts]
     core = _llm(path, kv_budget=8 * _block_bytes(path), max_model_len=128).engine
     for i, prompt in enumerate(prompts):
-        core.add_embedding_request(str(i), prompt, fairness_key=f"tenant-{i}")
+        core.add_request(str(i), prompt, pooling=core.pooling_state(None), fairness_key=f"tenant-{i}")
     done: dict[str, list[float] | None] = {}
     for _ in range(500):
         if not core.has_unfinished_requests():

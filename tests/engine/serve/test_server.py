@@ -26,7 +26,7 @@ from _support.waiting import poll
 from litestar import Litestar
 
 from loraplex.engine.core.config import EngineConfig
-from loraplex.engine.core.engine_core import EngineState
+from loraplex.engine.core.engine_state import EngineState
 from loraplex.engine.memory.page_pool import PoolUsage
 from loraplex.engine.model.tokenizer import Tokenizer
 from loraplex.engine.serve.async_engine import AsyncEngine

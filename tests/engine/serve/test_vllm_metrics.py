@@ -27,7 +27,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.core.config import EngineConfig
-from loraplex.engine.core.engine_core import EngineState
+from loraplex.engine.core.engine_state import EngineState
 from loraplex.engine.lora.ref import LoRARequest
 from loraplex.engine.memory.page_pool import PoolUsage
 from loraplex.engine.serve.async_engine import AsyncEngine
