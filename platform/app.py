@@ -33,6 +33,7 @@ from loraplex.platform.domain.api_keys.controllers import AdminApiKeyController,
 from loraplex.platform.domain.base_models.controllers import AdminBaseModelController
 from loraplex.platform.domain.billing.controllers import AdminBillingController, AdminPriceController
 from loraplex.platform.domain.completions.controllers import CompletionsController
+from loraplex.platform.domain.embeddings.controllers import EmbeddingsController
 from loraplex.platform.domain.endpoints.controllers import EndpointController
 from loraplex.platform.domain.fleet.controllers import AdminEngineController
 from loraplex.platform.domain.tenants.controllers import AdminTenantController, TenantSelfController
@@ -82,6 +83,7 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
             UsageController,
             adapter_controller(settings),
             CompletionsController,
+            EmbeddingsController,
         ],
         guards=[require_tenant],
         dependencies={"principal": Provide(provide_principal)},

@@ -1,8 +1,9 @@
 """POST /v1/embeddings, OpenAI's shape: `input` a string, a list of strings, a list of token ids or a list of them;
 `dimensions` (the first that many components, normalized again where the model normalizes); `encoding_format`
-"float" or "base64" (little-endian float32, what the SDK decodes); `model` the base model or one of its adapters.
-Each input is one engine request of the embedding model (engine/core/pooling.py), batched with the others by the
-scheduler; usage counts their prompt tokens (and the cached ones, which the platform bills apart)."""
+"float" or "base64" (little-endian float32, what the SDK decodes); `model` the base model or one of its adapters
+(or, from a trusted caller, `lora_adapter`, as on completions). Each input is one engine request of the embedding
+model (engine/core/pooling.py), batched with the others by the scheduler at the request's priority (`priority`,
+else its `service_tier`'s); usage counts their prompt tokens (and the cached ones, which the platform bills apart)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.core.pooling import EMBEDDING_PARAMS
 from loraplex.engine.errors import RequestError
-from loraplex.engine.serve.async_engine import RequestStream
+from loraplex.engine.serve.api_errors import ApiError
+from loraplex.engine.serve.async_engine import RequestFailed, RequestStream
 from loraplex.engine.serve.jobs import unless_disconnected
-from loraplex.engine.serve.protocol import PromptTokensDetails
+from loraplex.engine.serve.lora_registry import LORA_ADAPTER_PARAM
+from loraplex.engine.serve.lora_spec import LoraAdapterSpec
+from loraplex.engine.serve.protocol import SERVICE_TIER_PRIORITY, PromptTokensDetails
 
 if TYPE_CHECKING:
     from litestar import Request
@@ -38,10 +42,22 @@ class EmbeddingRequest(BaseModel):
     dimensions: Annotated[StrictInt, Field(ge=1)] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
-    # Trusted callers (the platform): the prefix-cache salt and the fair-share key and weight, as on completions.
+    # Trusted callers (the platform), as on completions: the adapter's files, the prefix-cache salt, the fair-share
+    # key and weight, and the scheduler's priority (vLLM's) or OpenAI's service tier.
+    lora_adapter: LoraAdapterSpec | None = None
     cache_salt: str | None = None
     fairness_key: str | None = None
     fairness_weight: float | None = None
+    priority: StrictInt = 0
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+
+    @property
+    def effective_priority(self) -> int:
+        """`priority` when given, else the service tier's (flex below default below priority)."""
+        if "priority" in self.model_fields_set:
+            return self.priority
+        tier = "default" if self.service_tier in (None, "auto") else str(self.service_tier)
+        return SERVICE_TIER_PRIORITY[tier]
 
     @field_validator("input", mode="before")
     @classmethod
@@ -112,7 +128,7 @@ async def create_embeddings(
     serving: OpenAIServing, body: EmbeddingRequest, request: Request[Any, Any, Any]
 ) -> EmbeddingResponse:
     """Every input's embedding, in order; RequestError (400) for bad input or a model that does not embed."""
-    model, lora = serving._check_model(body.model, None)
+    model, lora = serving._check_model(body.model, body.lora_adapter)
     core = serving.engine.core
     core.check_task(embedding=True)
     items = body.inputs()
@@ -139,6 +155,7 @@ async def create_embeddings(
                     cache_salt=body.cache_salt,
                     fairness_key=body.fairness_key or "",
                     fairness_weight=body.fairness_weight if body.fairness_weight is not None else 1.0,
+                    priority=body.effective_priority,
                     pooling=core.pooling_state(body.dimensions),
                 )
             )
@@ -152,7 +169,13 @@ async def create_embeddings(
 
             return list(await asyncio.gather(*(last(stream) for stream in streams)))
 
-        outputs = await unless_disconnected(request, finals())
+        try:
+            outputs = await unless_disconnected(request, finals())
+        except RequestFailed as exc:
+            if exc.is_client_error:  # the adapter's fault: name the field that chose it
+                param = LORA_ADAPTER_PARAM if body.lora_adapter is not None else "model"
+                raise ApiError(400, str(exc), code="lora_adapter_load_failed", param=param) from exc
+            raise
     finally:
         for stream in streams:
             stream.close()

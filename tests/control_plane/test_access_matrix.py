@@ -419,13 +419,15 @@ async def test_other_tenants_adapter_cannot_back_an_endpoint(api: Client, world:
     assert name not in [e["name"] for e in listed]
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
 async def test_another_tenants_endpoint_name_is_no_model(api: Client, world: World, path: str) -> None:
     """A name in a body is scoped too: `model` naming another tenant's endpoint is model_not_found, like no model."""
 
     def body(model: str) -> dict[str, Any]:
         if path == "/v1/completions":
             return {"model": model, "prompt": "hi", "max_tokens": 1}
+        if path == "/v1/embeddings":
+            return {"model": model, "input": "hi"}
         return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
     theirs = await api.post(path, json=body(world.other.endpoint_name), headers=world.owner.headers)

@@ -16,7 +16,7 @@ from litestar import Litestar
 from sqlalchemy import select
 
 from loraplex.platform.db.engine import create_engine, create_session_factory
-from loraplex.platform.domain.completions.controllers import MAX_BODY_BYTES
+from loraplex.platform.domain.completions.calls import MAX_BODY_BYTES
 from loraplex.platform.domain.usage.models import UsageRecord
 from loraplex.platform.settings import Settings
 

@@ -20,7 +20,8 @@ from loraplex.platform.console.access import Caller
 from loraplex.platform.console.pages import page
 from loraplex.platform.dependencies import AppResources, DbSession
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
-from loraplex.platform.domain.completions.controllers import MAX_BODY_BYTES, complete
+from loraplex.platform.domain.completions.calls import MAX_BODY_BYTES
+from loraplex.platform.domain.completions.controllers import complete
 from loraplex.platform.domain.completions.schemas import MAX_TOKENS, ChatCompletionRequest
 from loraplex.platform.domain.endpoints.service import EndpointService
 

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -19,13 +19,23 @@ from litestar.params import JSONBody
 from litestar.response import Stream
 
 from loraplex.platform.auth import TenantPrincipal
-from loraplex.platform.concurrency import HeldLease, concurrency_error
+from loraplex.platform.concurrency import HeldLease
 from loraplex.platform.config_cache import Basis
 from loraplex.platform.dependencies import GENERATION_CHECKED_LATER, AppResources, Principal, config_basis
 from loraplex.platform.domain.adapters.service import ready_adapter_ref
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.base_models.repository import BaseModelRepository
-from loraplex.platform.domain.completions.lookups import TenantTerms, model_not_found
+from loraplex.platform.domain.completions.calls import (
+    MAX_BODY_BYTES,
+    Prepared,
+    admit,
+    client_closed,
+    disconnected,
+    too_large,
+    unless_disconnected,
+    unwatch,
+)
+from loraplex.platform.domain.completions.lookups import model_not_found
 from loraplex.platform.domain.completions.schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.domain.completions.service import (
     Call,
@@ -42,18 +52,15 @@ from loraplex.platform.domain.completions.service import (
     route,
     tenant_terms,
 )
+from loraplex.platform.domain.embeddings.schemas import EmbeddingRequest
 from loraplex.platform.domain.endpoints.models import Endpoint
 from loraplex.platform.domain.endpoints.repository import EndpointRepository
 from loraplex.platform.domain.endpoints.service import EndpointService
 from loraplex.platform.domain.fleet.client import EngineRequestError, EngineUnavailable
-from loraplex.platform.errors import ApiError, openai_error
-from loraplex.platform.ratelimit import rate_limit_error
+from loraplex.platform.errors import ApiError
 from loraplex.platform.resources import Resources
 
 SSE_DONE = "data: [DONE]\n\n"
-# nginx's "client closed request": never seen by the client, but honest in access logs.
-STATUS_CLIENT_CLOSED = 499
-MAX_BODY_BYTES = 4 * 2**20
 
 T = TypeVar("T")
 
@@ -62,25 +69,7 @@ def _sse(event: dict[str, Any]) -> str:
     return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
 
 
-def _too_large(_: HttpRequest[Any, Any, Any], __: RequestEntityTooLarge) -> Response[dict[str, Any]]:
-    return openai_error(
-        413,
-        f"The request body is larger than {MAX_BODY_BYTES} bytes, the most this API accepts.",
-        code="request_too_large",
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    """What a request's lookups gave, before its admission."""
-
-    principal: TenantPrincipal
-    call: Call
-    terms: TenantTerms
-    tokens: int  # the rate limits' estimate
-
-
-async def _prepare(resources: Resources, principal: TenantPrincipal, body: Request, path: str) -> _Prepared:
+async def _prepare(resources: Resources, principal: TenantPrincipal, body: Request, path: str) -> Prepared:
     """What the request's cached lookups decide, before its admission: model, terms, tier, a replica. Raises the
     refusals they make."""
     target = await resolve(resources, principal, body.model)
@@ -116,76 +105,7 @@ async def _prepare(resources: Resources, principal: TenantPrincipal, body: Reque
         service_tier=service_tier,
         warm_peer=choice.warm_peer,
     )
-    return _Prepared(principal, call, terms, estimate_tokens(body, choice.replica.max_model_len))
-
-
-async def _start(
-    request: HttpRequest[Any, Any, Any],
-    resources: Resources,
-    principal: TenantPrincipal,
-    body: Request,
-    path: str,
-    basis: Basis | None,
-) -> tuple[Call, dict[str, str], HeldLease]:
-    """Everything that can refuse the request, before any byte is sent: model, a replica, limits, and last its
-    tenant's concurrency lease, which the caller owns from here on (and must release when the request ends).
-
-    The cached lookups (the key's, in the guard, and `_prepare`'s) are made before the configuration generation is
-    read (decision 0038): the admission reads it in its round trip, and decides nothing if it is not the generation
-    the lookups were made in (`basis`). They are then made again, after adopting the generation read, as a request
-    that read it first makes them; so is a refusal by the lookups whose generation is no longer the store's."""
-    cache = resources.config_cache
-    while True:
-        try:
-            prepared = await _prepare(resources, principal, body, path)
-        except ApiError:
-            if basis is None or await cache.verify(basis):
-                raise
-            basis, principal = None, await _again(request, resources)
-            continue
-        if basis is not None and not cache.holds(basis):  # emptied while it looked: look again, after a read
-            await cache.sync()
-            basis, principal = None, await _again(request, resources)
-            continue
-        admission = await resources.admitter.admit(
-            tenant_id=str(principal.tenant_id),
-            key_id=principal.key_id,
-            tenant=prepared.terms.limits,
-            key=prepared.terms.key_limits,
-            tokens=prepared.tokens,
-            cap=prepared.terms.max_concurrent_requests,
-            generation=None if basis is None else basis.token,
-        )
-        if admission.stale:
-            cache.adopt(admission.generation)
-            basis, principal = None, await _again(request, resources)
-            continue
-        break
-    assert admission.rate is not None
-    lease = admission.lease.lease if admission.lease is not None else None
-    if basis is not None and admission.generation is None:
-        # The store did not answer (the failure policy decided): what came from the tables cannot be confirmed, so
-        # it is read from the database, as when the generation cannot be read first.
-        cache.adopt(None)
-        try:
-            prepared = await _prepare(resources, await _again(request, resources), body, path)
-        except BaseException:
-            if lease is not None:
-                await HeldLease(resources.leases, lease).release()
-            raise
-    if not admission.rate.allowed:
-        raise rate_limit_error(admission.rate)
-    if lease is None:
-        assert admission.lease is not None
-        raise concurrency_error(admission.lease)
-    call = prepared.call
-    # The request id is the usage row's key: a client can find what it was billed even if it got no chunk.
-    return call, {**admission.rate.headers, "x-request-id": call.request_id}, HeldLease(resources.leases, lease)
-
-
-async def _again(request: HttpRequest[Any, Any, Any], resources: Resources) -> TenantPrincipal:
-    """The request's key, authenticated again after the tables changed (the generation was read since it began)."""
-    return await resources.authenticator.tenant(request.headers.get("authorization"), sync=False)
+    return Prepared(principal, call, terms, estimate_tokens(body, choice.replica.max_model_len))
 
 
 async def complete(
@@ -200,11 +120,13 @@ async def complete(
     was not read before it (`Authenticator.tenant_checked_later`); None when it was."""
     # Watched from the start: a client that gave up while this request waited (on a slow database, say) has gone
     # before the engine is asked, and then nothing runs.
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
-        call, headers, lease = await _start(request, resources, principal, body, path, basis)
+        call, headers, lease = await admit(
+            request, resources, principal, lambda p: _prepare(resources, p, body, path), basis
+        )
     except BaseException:
-        await _unwatch(gone)
+        await unwatch(gone)
         raise
     # The lease is held until the request ends: released here when that is before a stream starts (without
     # waiting for the store once the answer is complete), else by the stream (when it ends, fails, or its client
@@ -219,26 +141,20 @@ async def complete(
     return response
 
 
-async def _unwatch(gone: asyncio.Future[None]) -> None:
-    if gone.done():  # already unwatched (`_unless_disconnected` does), or the client left: nothing to wait for
-        return
-    gone.cancel()
-    await asyncio.gather(gone, return_exceptions=True)
-
-
 async def _answer(
     resources: Resources, call: Call, headers: dict[str, str], gone: asyncio.Future[None], lease: HeldLease
 ) -> Response[Any]:
     """The answer to an admitted request; `gone` watches its client until a stream (which watches it itself)
     begins."""
     body = call.body
+    assert not isinstance(body, EmbeddingRequest), "embeddings are answered by embeddings/controllers.py"
     try:
         if gone.done():
             await record_usage(resources, call)  # cancelled, zero tokens: the request id is accounted for
-            raise ApiError(STATUS_CLIENT_CLOSED, "The client closed the connection.", code="client_closed")
+            raise client_closed()
         if not body.stream:
             try:
-                answer = await _unless_disconnected(gone, _collect(resources, call))
+                answer = await unless_disconnected(gone, _collect(resources, call))
             except BaseException:
                 await record_usage(resources, call)
                 raise
@@ -246,7 +162,7 @@ async def _answer(
             return Response(answer, headers=headers)
     finally:
         # A stream is watched by Litestar's Stream from here on: this watcher must not take its messages.
-        await _unwatch(gone)
+        await unwatch(gone)
     # The engine validates the request before its first event (a prompt too long, a bad parameter): wait for that
     # first event, so such a request is a plain error response, not a 200 whose stream holds an error.
     events = relay(resources, call)
@@ -314,29 +230,6 @@ async def _stream(
             record_usage_soon(resources, call)
         finally:
             await lease.release()
-
-
-async def _disconnected(request: HttpRequest[Any, Any, Any]) -> None:
-    # The body has been read, so the next ASGI message is the disconnect (or the end of the response).
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(gone: asyncio.Future[None], work: Coroutine[Any, Any, T]) -> T:
-    """Await `work`, cancelling it (which aborts the engine request) if the client goes away first (`gone`, the
-    watcher of its connection, completes): a client that gave up (a timeout, then a retry) must not leave its
-    generation running to max_tokens."""
-    task = asyncio.ensure_future(work)
-    waiting: set[asyncio.Future[Any]] = {task, gone}
-    try:
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            raise ApiError(STATUS_CLIENT_CLOSED, "The client closed the connection.", code="client_closed")
-        return task.result()
-    finally:
-        task.cancel()
-        gone.cancel()
-        await asyncio.gather(task, gone, return_exceptions=True)
 
 
 def _failed(error: dict[str, Any]) -> ApiError:
@@ -452,7 +345,7 @@ class CompletionsController(Controller):
         status_code=200,  # OpenAI answers 200, not Litestar's default 201 for a POST
         summary="Chat completion (OpenAI's API)",
         request_max_body_size=MAX_BODY_BYTES,
-        exception_handlers={RequestEntityTooLarge: _too_large},
+        exception_handlers={RequestEntityTooLarge: too_large},
         opt={GENERATION_CHECKED_LATER: True},
     )
     async def chat(
@@ -469,7 +362,7 @@ class CompletionsController(Controller):
         status_code=200,  # OpenAI answers 200, not Litestar's default 201 for a POST
         summary="Text completion (OpenAI's legacy API)",
         request_max_body_size=MAX_BODY_BYTES,
-        exception_handlers={RequestEntityTooLarge: _too_large},
+        exception_handlers={RequestEntityTooLarge: too_large},
         opt={GENERATION_CHECKED_LATER: True},
     )
     async def completions(

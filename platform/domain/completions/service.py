@@ -22,6 +22,7 @@ from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.completions.lookups import Target, TenantTerms
 from loraplex.platform.domain.completions.schemas import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.domain.embeddings.schemas import EmbeddingRequest
 from loraplex.platform.domain.fleet.client import (
     OVERLOADED,
     EngineRequestError,
@@ -83,7 +84,7 @@ class Call:
     request_id: str
     principal: TenantPrincipal
     target: Target
-    body: Request
+    body: Request | EmbeddingRequest
     replica: Replica
     engine_body: dict[str, Any]
     path: str
@@ -185,14 +186,20 @@ def engine_body(
         if budget is not None:
             merged["thinking_token_budget"] = budget
     if target.adapter is not None:
-        assert adapter_source is not None
-        assert target.adapter.digest is not None
-        merged["lora_adapter"] = {
-            "name": f"{target.adapter.name}@v{target.adapter.version}",
-            "source": adapter_source,
-            "digest": target.adapter.digest,
-        }
+        merged["lora_adapter"] = adapter_spec(target, adapter_source)
     return merged
+
+
+def adapter_spec(target: Target, adapter_source: str | None) -> dict[str, str]:
+    """The engine's `lora_adapter` for the target's adapter: its name and version (for logs), files and digest."""
+    assert target.adapter is not None
+    assert adapter_source is not None
+    assert target.adapter.digest is not None
+    return {
+        "name": f"{target.adapter.name}@v{target.adapter.version}",
+        "source": adapter_source,
+        "digest": target.adapter.digest,
+    }
 
 
 def thinking_budget(base_model: BaseModel, body: ChatCompletionRequest) -> int | None:
@@ -251,13 +258,14 @@ async def route(
     resources: Resources,
     principal: TenantPrincipal,
     target: Target,
-    body: Request,
+    body: Request | EmbeddingRequest,
     exclude: frozenset[str] = frozenset(),
 ) -> Choice | None:
     """The replica the router picks for this request (decision 0012), never one in `exclude` (ids of replicas it
     has tried), with the warm peer it passed over; None when no other serves its base model."""
     digest = target.adapter.digest if target.adapter is not None else None
-    affinity = f"{principal.tenant_id}:{body.prompt_cache_key or ''}"
+    cache_key = body.prompt_cache_key if not isinstance(body, EmbeddingRequest) else None
+    affinity = f"{principal.tenant_id}:{cache_key or ''}"
     return await resources.router.choose(target.base_model.name, digest, affinity, exclude)
 
 
@@ -310,6 +318,7 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
     raised, except that if any replica said it was overloaded the request is refused as overloaded, with the
     shortest Retry-After of those replicas (the soonest one of them expects room). Once an engine has accepted the
     request it stays there: a failure after that ends it, since the engine may have started generating."""
+    assert not isinstance(call.body, EmbeddingRequest), "embeddings are answered whole (embeddings/service.py)"
     created = int(time.time())
     await plan_kv_transfer(resources, call)
     tried: set[str] = set()
@@ -324,25 +333,7 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
             return
         except (EngineUnreachable, EngineRequestError) as exc:
             await events.aclose()  # type: ignore[attr-defined]
-            if isinstance(exc, EngineRequestError) and exc.status_code != 503:
-                raise  # the engine judged the request itself: another replica would say the same
-            if isinstance(exc, EngineRequestError) and exc.overloaded:
-                overloaded.append(exc)
-                resources.metrics.count_engine_overloaded(call.replica.id)
-            tried.add(call.replica.id)
-            replica = None
-            if len(tried) < MAX_REPLICA_TRIES:
-                choice = await route(resources, call.principal, call.target, call.body, frozenset(tried))
-                replica = choice.replica if choice is not None else None
-            if replica is None:
-                if overloaded:
-                    resources.metrics.count_overloaded(str(call.principal.tenant_id))
-                    raise _overloaded(overloaded) from exc
-                raise
-            logger.info(
-                "%s: engine %s refused the request (%s); trying %s", call.request_id, call.replica.id, exc, replica.id
-            )
-            call.replica = replica
+            await next_replica(resources, call, exc, tried, overloaded)
         except BaseException:
             await events.aclose()  # type: ignore[attr-defined]
             raise
@@ -377,6 +368,36 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
             event = await anext(events, None)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+
+
+async def next_replica(
+    resources: Resources,
+    call: Call,
+    exc: EngineUnreachable | EngineRequestError,
+    tried: set[str],
+    overloaded: list[EngineRequestError],
+) -> None:
+    """`call.replica` refused the call (`exc`): point the call at the router's next choice among the replicas not
+    tried yet, when the refusal came before any of it ran (the connection, or a 503) and fewer than
+    MAX_REPLICA_TRIES were tried; else raise `exc` (or, if any replica said it was overloaded, one overloaded
+    refusal for all of them). `tried` and `overloaded` carry what the earlier refusals of this call were."""
+    if isinstance(exc, EngineRequestError) and exc.status_code != 503:
+        raise exc  # the engine judged the request itself: another replica would say the same
+    if isinstance(exc, EngineRequestError) and exc.overloaded:
+        overloaded.append(exc)
+        resources.metrics.count_engine_overloaded(call.replica.id)
+    tried.add(call.replica.id)
+    replica = None
+    if len(tried) < MAX_REPLICA_TRIES:
+        choice = await route(resources, call.principal, call.target, call.body, frozenset(tried))
+        replica = choice.replica if choice is not None else None
+    if replica is None:
+        if overloaded:
+            resources.metrics.count_overloaded(str(call.principal.tenant_id))
+            raise _overloaded(overloaded) from exc
+        raise exc
+    logger.info("%s: engine %s refused the request (%s); trying %s", call.request_id, call.replica.id, exc, replica.id)
+    call.replica = replica
 
 
 def _overloaded(refusals: list[EngineRequestError]) -> EngineRequestError:

@@ -7,6 +7,7 @@ client drives the engine's ASGI app directly, streaming its response body as it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -77,7 +78,22 @@ class EngineClient(Protocol):
         """
         ...
 
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a request whose answer is one JSON object (embeddings) and return it; raises as `stream` does."""
+        ...
+
     async def close(self) -> None: ...
+
+
+def _answer(raw: bytes) -> dict[str, Any]:
+    """A whole answer's JSON object; anything else means the engine broke off, not that the request failed."""
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise EngineUnavailable(f"the engine sent an unreadable answer: {raw[:200]!r}")
+    return answer
 
 
 def _event(data: str) -> dict[str, Any]:
@@ -156,11 +172,27 @@ class HttpEngineClient:
                     if not finished:  # closed early or broken: drop the connection, so the engine aborts the request
                         response.close()
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            if self._on_unreachable is not None:
-                self._on_unreachable()
-            raise EngineUnreachable(f"engine at {self._base_url} is unreachable: {exc}") from exc
+            raise self._unreachable(exc) from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineUnavailable(f"engine at {self._base_url} failed: {exc!r}") from exc
+
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self._client().post(f"{self._base_url}{path}", json=body) as response:
+                raw = await response.read()
+                if response.status != 200:
+                    retry_after_s = retry_after_seconds(response.headers.get("retry-after"))
+                    raise EngineRequestError(response.status, _error_body(raw), retry_after_s=retry_after_s)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            raise self._unreachable(exc) from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineUnavailable(f"engine at {self._base_url} failed: {exc!r}") from exc
+        return _answer(raw)
+
+    def _unreachable(self, exc: Exception) -> EngineUnreachable:
+        if self._on_unreachable is not None:
+            self._on_unreachable()
+        return EngineUnreachable(f"engine at {self._base_url} is unreachable: {exc}")
 
     async def close(self) -> None:
         if self._session is not None:
@@ -190,6 +222,37 @@ class InProcessEngineClient:
         self._app = app
 
     async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        async with self._running(path, body) as (start, take):
+            status = int(start.get("status", 500))
+            if status != 200:
+                raise _refusal(start, await _whole_body(take))
+            buffer = ""
+            while True:
+                message = await take()
+                buffer += message.get("body", b"").decode()
+                *lines, buffer = buffer.split("\n")
+                for line in lines:
+                    if line.startswith("data:"):
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            return
+                        yield _event(data)
+                if not message.get("more_body"):
+                    raise EngineUnavailable("the in-process engine's stream ended before [DONE]")
+
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self._running(path, body) as (start, take):
+            raw = await _whole_body(take)
+            if int(start.get("status", 500)) != 200:
+                raise _refusal(start, raw)
+            return _answer(raw)
+
+    @contextlib.asynccontextmanager
+    async def _running(
+        self, path: str, body: dict[str, Any]
+    ) -> AsyncIterator[tuple[Message, Callable[[], Coroutine[Any, Any, Message]]]]:
+        """The app running `body` as a POST to `path`: its response's start message, and how to take its next
+        message. On leaving, the app sees a client that went away (so it aborts an unfinished engine request)."""
         payload = json.dumps(body).encode()
         chunks: asyncio.Queue[Message] = asyncio.Queue()
         disconnect = asyncio.Event()
@@ -224,32 +287,7 @@ class InProcessEngineClient:
         task: asyncio.Task[None] = asyncio.create_task(self._app(scope, receive, send))
         task.add_done_callback(lambda _: chunks.put_nowait(_APP_ENDED))  # after every message it sent
         try:
-            start = await self._next(chunks, task)
-            status = int(start.get("status", 500))
-            if status != 200:
-                raw = b""
-                while True:
-                    message = await self._next(chunks, task)
-                    raw += message.get("body", b"")
-                    if not message.get("more_body"):
-                        break
-                # ASGI headers: (name, value) pairs of bytes, names lowercase by convention only.
-                header = next((v for k, v in start.get("headers") or () if k.lower() == b"retry-after"), None)
-                retry_after_s = retry_after_seconds(header)
-                raise EngineRequestError(status, _error_body(raw), retry_after_s=retry_after_s)
-            buffer = ""
-            while True:
-                message = await self._next(chunks, task)
-                buffer += message.get("body", b"").decode()
-                *lines, buffer = buffer.split("\n")
-                for line in lines:
-                    if line.startswith("data:"):
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            return
-                        yield _event(data)
-                if not message.get("more_body"):
-                    raise EngineUnavailable("the in-process engine's stream ended before [DONE]")
+            yield await self._next(chunks, task), lambda: self._next(chunks, task)
         finally:
             disconnect.set()  # the app sees a client that went away: it aborts the engine request
             if not task.done():
@@ -268,6 +306,24 @@ class InProcessEngineClient:
 
     async def close(self) -> None:
         return None
+
+
+async def _whole_body(take: Callable[[], Coroutine[Any, Any, Message]]) -> bytes:
+    raw = b""
+    while True:
+        message = await take()
+        raw += bytes(message.get("body", b""))
+        if not message.get("more_body"):
+            return raw
+
+
+def _refusal(start: Message, raw: bytes) -> EngineRequestError:
+    """The engine's refusal, from its response's start message (status, Retry-After) and body."""
+    # ASGI headers: (name, value) pairs of bytes, names lowercase by convention only.
+    header = next((v for k, v in start.get("headers") or () if k.lower() == b"retry-after"), None)
+    return EngineRequestError(
+        int(start.get("status", 500)), _error_body(raw), retry_after_s=retry_after_seconds(header)
+    )
 
 
 def _error_body(raw: bytes) -> dict[str, Any]:
