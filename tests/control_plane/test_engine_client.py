@@ -207,3 +207,50 @@ async def test_an_engine_that_cannot_be_reached_is_unreachable_and_reported() ->
     finally:
         await client.close()
     assert reported == [True]
+
+
+async def test_a_whole_answer_is_posted_and_read_with_the_same_errors() -> None:
+    """`post`, for answers that are one JSON object (embeddings): the object, on the shared connection; the engine's
+    refusal with its status and body; a body that is no JSON object is a broken engine; nothing listening is
+    unreachable and reported."""
+    error = {"error": {"message": "bad input", "type": "invalid_request_error", "param": "input", "code": None}}
+
+    async def answer(body: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        status, raw = {
+            "ok": (b"200 OK", json.dumps({"data": [{"embedding": [0.5]}], "usage": {"prompt_tokens": 3}}).encode()),
+            "bad": (b"400 Bad Request", json.dumps(error).encode()),
+            "broken": (b"200 OK", b"[1, 2]"),
+        }[body["case"]]
+        writer.write(
+            b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (status, len(raw))
+        )
+        writer.write(raw)
+        await writer.drain()
+
+    server, engine = await serve(answer)
+    client = HttpEngineClient(engine.url)
+    async with server:
+        try:
+            for _ in range(2):
+                got = await client.post("/v1/embeddings", {"case": "ok"})
+                assert got == {"data": [{"embedding": [0.5]}], "usage": {"prompt_tokens": 3}}
+            with pytest.raises(EngineRequestError) as refused:
+                await client.post("/v1/embeddings", {"case": "bad"})
+            assert refused.value.status_code == 400 and refused.value.body == error
+            with pytest.raises(EngineUnavailable, match="unreadable answer"):
+                await client.post("/v1/embeddings", {"case": "broken"})
+        finally:
+            await client.close()
+    assert engine.connections == 1
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+    reported: list[bool] = []
+    gone = HttpEngineClient(f"http://127.0.0.1:{port}", on_unreachable=lambda: reported.append(True))
+    try:
+        with pytest.raises(EngineUnreachable):
+            await gone.post("/v1/embeddings", {"case": "ok"})
+    finally:
+        await gone.close()
+    assert reported == [True]
