@@ -12,10 +12,17 @@ block n // 128, column block k // 128, on each of the block's rows). Rows of sep
 stack (q, k, v into qkv) and reorder (the rotary pairs) like any weight's rows. The row scales cost 4 bytes per
 column block of a row: 1/32 of a byte per weight at [128, 128] blocks, so an FP8 model is half of bf16.
 
-`fp8_linear` computes x @ w^T (+ bias) (+ residual) with a float32 accumulator: the codes are converted to
-float32 a tile of output rows at a time (exact: every e4m3 value is a float32), scaled, and multiplied (the
-weight-only path: activations stay in x's precision). It is the path on CPUs and on GPUs without FP8 matmuls
-(compute capability below 8.9); an FP8 GEMM on the GPUs that have one is not written yet, and they take this path too.
+`fp8_linear` computes x @ w^T (+ bias) (+ residual) on one of two paths:
+- dequantizing (CPUs, GPUs below compute capability 8.9): the codes are converted to float32 a tile of output rows
+  at a time (exact: every e4m3 value is a float32), scaled, and multiplied with a float32 accumulator; activations
+  stay in x's precision (weight-only).
+- FP8 GEMMs (CUDA with compute capability >= 8.9, where `torch._scaled_mm` runs on the tensor cores): activations
+  are quantized to e4m3 per token (dynamic: amax / 448; for block-wise weights per token and column block, as
+  DeepSeek-V3's 1 x 128 groups); a static checkpoint's `input_scale` is not used (per token is finer). One GEMM per
+  column block of the weight's scales (one for per-row weights) with unit scales and a float32 out (the form every
+  FP8 GPU runs; torch's row-wise scaled form wants sm90 and a bf16 out), then scaled by the token's and the row's
+  scale of that block and summed. Shapes whose in or out features are not multiples of 16 (the GEMM's alignment)
+  take the dequantizing path.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 
 from loraplex.kernels.quant_formats import TILE_ELEMS, check_linear, tile_buffer, tile_rows
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Weight", "dequantize_fp8", "fp8_linear", "quantize_fp8"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Weight", "dequantize_fp8", "fp8_gemm_supported", "fp8_linear", "quantize_fp8"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -138,9 +145,61 @@ def fp8_linear(
     *,
     workspace: torch.Tensor | None = None,  # float32, >= workspace_elems(in_features) elements
     residual: torch.Tensor | None = None,  # [num_tokens, out_features], added to the product (not written)
+    fp8_gemm: bool | None = None,  # None: where the device has FP8 GEMMs (`fp8_gemm_supported`)
 ) -> torch.Tensor:
-    """x @ dequantize_fp8(w)^T (+ bias) (+ residual) as a new [num_tokens, out_features] tensor in x.dtype."""
+    """x @ dequantize_fp8(w)^T (+ bias) (+ residual) as a new [num_tokens, out_features] tensor in x.dtype, on
+    FP8 GEMMs when `fp8_gemm` (or, None, where the device has them) and the shape allows, else dequantizing."""
     check_linear(x, w.shape, w.qweight.device, bias)
+    use_gemm = fp8_gemm_supported(x.device) if fp8_gemm is None else fp8_gemm
+    y = _fp8_gemm(x, w) if use_gemm and _gemm_aligned(w) else _dequantizing(x, w, workspace)
+    if bias is not None:
+        y.add_(bias)
+    if residual is not None:
+        y.add_(residual)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def fp8_gemm_supported(device: torch.device) -> bool:
+    """Whether FP8 GEMMs run on `device`'s tensor cores: CUDA with compute capability 8.9 (Ada) or later."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _gemm_aligned(w: Fp8Weight) -> bool:
+    out_features, in_features = w.shape
+    return out_features % 16 == 0 and in_features % 16 == 0 and (w.per_row or w.col_block % 16 == 0)
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (float32 [tokens, k]) as e4m3 codes and a float32 scale per token ([tokens, 1]): amax / 448."""
+    scales = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    return (x / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def _fp8_gemm(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """x @ W^T in float32 [tokens, out] through `torch._scaled_mm` (the module docstring's FP8 path): one GEMM per
+    column block of the weight's scales (one for per-row scales), whose float32 product is scaled by the tokens'
+    and the rows' scales of that block."""
+    xf = x.float()
+    out_features, in_features = w.shape
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    y: torch.Tensor | None = None
+    for block, start in enumerate(range(0, in_features, w.col_block)):
+        stop = min(in_features, start + w.col_block)
+        codes, x_scales = _quantize_rows(xf[:, start:stop].contiguous())
+        part = torch._scaled_mm(codes, w.qweight[:, start:stop].t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        scale = x_scales * w.scales[:, block].view(1, out_features)
+        if y is None:
+            y = part.mul_(scale)
+        else:
+            y.addcmul_(part, scale)
+    assert y is not None
+    return y
+
+
+def _dequantizing(x: torch.Tensor, w: Fp8Weight, workspace: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T in float32 [tokens, out], the codes widened and scaled a tile of rows at a time."""
     num_tokens = x.shape[0]
     out_features, in_features = w.shape
     xf = x.float()
@@ -156,8 +215,4 @@ def fp8_linear(
         torch.mm(xf, t.t(), out=y[:, start:end])
     if w.per_row:
         y.mul_(w.scales[:, 0])
-    if bias is not None:
-        y.add_(bias)
-    if residual is not None:
-        y.add_(residual)
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
+    return y

@@ -4,8 +4,8 @@
 #
 #   1. The Triton kernels against their torch paths on the GPU: the tests of tests/kernels that run them (paged
 #      attention, SGMV shrink/expand, int8/int4 matmuls; each compares at an explicit tolerance; skipped on a CPU).
-#   2. The quantized matmul kernels timed against torch's bf16 F.linear at a 7B model's projection shapes
-#      (triton.testing.do_bench, median ms) -> $OUT_DIR/quant_kernels.json.
+#   2. The quantized matmul kernels (int8, int4, and fp8 on both its paths) timed against torch's bf16 F.linear at a
+#      7B model's projection shapes (triton.testing.do_bench, median ms) -> $OUT_DIR/quant_kernels.json.
 #   3. Online serving on a bigger model: a random Llama of about 1B parameters (hidden 2048, 16 layers, bf16) with
 #      16 adapters of ranks 8-64 (the serving suite's kind, benchmarks/suite_assets.py), served by
 #      `loraplex engine serve --device cuda` and driven by benchmarks/serve.py at three request rates (200 requests,
@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from loraplex.kernels.quant import int4_linear, int8_linear
 from loraplex.kernels.quant_formats import quantize_int4, quantize_int8
+from loraplex.kernels.quant_fp8 import fp8_gemm_supported, fp8_linear, quantize_fp8
 
 device = torch.device(os.environ["DEVICE"])
 # A 7B Llama's projections [out, in]: qkv, o, gate_up, down (the small set: the CPU benchmark model's).
@@ -81,7 +82,7 @@ def median_ms(fn):
 rows = []
 for name, (out_features, in_features) in shapes.items():
     weight = torch.randn(out_features, in_features, device=device) * 0.02
-    w8, w4 = quantize_int8(weight), quantize_int4(weight)
+    w8, w4, wf8 = quantize_int8(weight), quantize_int4(weight), quantize_fp8(weight)
     bf16 = weight.to(torch.bfloat16)
     for tokens in (1, 16, 64, 512):
         x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16)
@@ -89,11 +90,20 @@ for name, (out_features, in_features) in shapes.items():
         row["bf16_linear_ms"] = median_ms(lambda: F.linear(x, bf16))
         row["int8_ms"] = median_ms(lambda: int8_linear(x, w8))
         row["int4_ms"] = median_ms(lambda: int4_linear(x, w4))
+        # fp8: the path the device takes (FP8 GEMMs on compute capability >= 8.9) and the dequantizing one
+        row["fp8_ms"] = median_ms(lambda: fp8_linear(x, wf8))
+        row["fp8_dequantizing_ms"] = median_ms(lambda: fp8_linear(x, wf8, fp8_gemm=False))
         rows.append(row)
         print(f"{name:8s} {tokens:4d} tokens: bf16 {row['bf16_linear_ms']:.3f}  int8 {row['int8_ms']:.3f}  "
-              f"int4 {row['int4_ms']:.3f} ms")
+              f"int4 {row['int4_ms']:.3f}  fp8 {row['fp8_ms']:.3f} (dequantizing {row['fp8_dequantizing_ms']:.3f})")
 name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-document = {"device": name, "torch": torch.__version__, "activations": "bfloat16", "results": rows}
+document = {
+    "device": name,
+    "torch": torch.__version__,
+    "activations": "bfloat16",
+    "fp8_gemm": fp8_gemm_supported(device),
+    "results": rows,
+}
 with open(os.environ["OUT"], "w") as out:
     json.dump(document, out, indent=2)
 EOF
