@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 from _support.adapters import make_peft_adapter
 from _support.checkpoints import make_checkpoint
@@ -92,3 +93,10 @@ def test_a_qwen3_base_and_a_qwen3_adapter_end_to_end(platform: Platform, qwen3: 
         ("plain-qwen3", len(prompt_ids)),
         ("triage-bot", len(prompt_ids)),
     ]
+
+
+def test_a_model_that_does_not_embed_refuses_embeddings(platform: Platform) -> None:
+    tenant = platform.make_tenant()
+    with pytest.raises(openai.BadRequestError, match="is not an embedding model") as caught:
+        platform.client(tenant.key).embeddings.create(model=platform.base_model, input="hi")
+    assert caught.value.body["param"] == "model"  # type: ignore[index]
