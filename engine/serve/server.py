@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions and /v1/chat/completions (streaming or not; `model` names the base model or a LoRA
 adapter, or a trusted caller names an adapter's files and digest in `lora_adapter`), POST /v1/embeddings (an
-embedding model's, engine/serve/embeddings.py), GET /v1/models (the base model
+embedding model's, engine/serve/embeddings.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's, in
+its envelope: engine/serve/protocols/messages_http.py), GET /v1/models (the base model
 and its adapters), POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), GET /v1/state (the load the
 platform's router reads), GET /healthz, GET /metrics (Prometheus). Every error, routing and body validation
 included, answers in OpenAI's envelope `{"error": {message, type, param, code}}`.
@@ -35,7 +36,6 @@ from litestar import Controller, Litestar, Request, Response, Router, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency, Provide
-from litestar.exceptions import HTTPException, ValidationException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.params import JSONBody
@@ -43,10 +43,10 @@ from litestar.response import Stream
 from pydantic import BaseModel
 
 from loraplex.engine.core.config import EngineConfig
-from loraplex.engine.errors import EngineError, EngineOverloaded, RequestError
+from loraplex.engine.errors import EngineError, EngineOverloaded
 from loraplex.engine.lora.ref import LoRARequest
-from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected, ErrorDetail, ErrorResponse
-from loraplex.engine.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailed
+from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected, ErrorDetail, ErrorResponse, error_detail
+from loraplex.engine.serve.async_engine import AsyncEngine
 from loraplex.engine.serve.embeddings import EmbeddingRequest, create_embeddings
 from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
 from loraplex.engine.serve.jobs import Job
@@ -60,6 +60,8 @@ from loraplex.engine.serve.protocol import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from loraplex.engine.serve.protocols.messages import ANTHROPIC_VERSION_HEADER, anthropic_model_list
+from loraplex.engine.serve.protocols.messages_http import MessagesController
 from loraplex.engine.serve.registration import FleetRegistration, RegistrationConfig
 from loraplex.engine.serve.server_info import engine_state, model_card, model_cards
 from loraplex.engine.serve.serving import OpenAIServing
@@ -75,75 +77,9 @@ STATUS_CLIENT_CLOSED: Final = 499
 # --- errors ------------------------------------------------------------------------------------------------------
 
 
-def _error_type(status_code: int) -> str:
-    if status_code >= 500:
-        return "server_error"
-    if status_code == 429:
-        return "rate_limit_error"
-    return "invalid_request_error"
-
-
-def _error_detail(exc: BaseException, request: Request[Any, Any, Any] | None = None) -> tuple[int, ErrorDetail]:
-    """Map any exception to a status and OpenAI's error body."""
-    status_code, message, code, param = 500, "The server had an error while processing your request.", None, None
-    if isinstance(exc, ApiError):
-        status_code, message, code, param = exc.status_code, exc.message, exc.code, exc.param
-    elif isinstance(exc, EngineDeadError):
-        status_code, message, code = 503, str(exc), "engine_unavailable"
-    elif isinstance(exc, EngineOverloaded):
-        status_code, message, code = 503, str(exc), "overloaded"
-    elif isinstance(exc, RequestFailed):
-        # The adapter's fault (bad files, too large for this pool) is the client's; anything else is ours.
-        status_code, message, code = (400 if exc.is_client_error else 500), str(exc), "lora_adapter_load_failed"
-        param = "model" if exc.is_client_error else None
-        if not exc.is_client_error:
-            logger.error("a request failed: %s", exc, exc_info=exc.cause)
-    elif isinstance(exc, RequestError):
-        status_code, message, code, param = 400, str(exc), exc.code or "invalid_request", exc.param
-    elif isinstance(exc, ValidationException):
-        status_code, code = 400, "invalid_request"
-        message, param = _validation_message(exc)
-    elif isinstance(exc, HTTPException):
-        status_code, message = exc.status_code, str(exc.detail)
-        where = f"{request.method} {request.url.path}" if request is not None else "this request"
-        if status_code == 404:
-            message, code = f"Invalid URL ({where})", "unknown_url"
-        elif status_code == 405:
-            message, code = f"Method not allowed ({where})", "method_not_allowed"
-        elif status_code == 400:
-            code = "invalid_request"
-    else:
-        logger.error("unhandled error", exc_info=exc)
-    return status_code, ErrorDetail(message=message, type=_error_type(status_code), param=param, code=code)
-
-
-def _param_name(key: str) -> str:
-    """Litestar's `messages.0.content` -> OpenAI's `messages[0].content`."""
-    name = ""
-    for part in key.split("."):
-        name += f"[{part}]" if part.isdigit() else (f".{part}" if name else part)
-    return name
-
-
-def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
-    errors = [e for e in (exc.extra if isinstance(exc.extra, list) else []) if isinstance(e, dict)]
-    if not errors:
-        return str(exc.detail or "Invalid request body."), None
-    first = errors[0]
-    key = first.get("key")
-    if key == "data":  # the body itself is missing, not one of its fields
-        return "The request body must be a JSON object.", None
-    param = _param_name(str(key)) if key else None
-    detail = str(first.get("message", "invalid value")).removeprefix("Value error, ")
-    message = f"Invalid value for '{param}': {detail}" if param else f"Invalid request body: {detail}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problems)"
-    return message, param
-
-
 def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     """The app's one exception handler: routing, body validation, request and engine errors alike."""
-    status_code, detail = _error_detail(exc, request)
+    status_code, detail = error_detail(exc, request)
     headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, EngineOverloaded) else None
     return _json(ErrorResponse(error=detail), status_code=status_code, headers=headers)
 
@@ -159,7 +95,7 @@ def _sse(model: BaseModel) -> str:
 
 
 def _sse_error(exc: BaseException) -> str:
-    _, detail = _error_detail(exc)
+    _, detail = error_detail(exc)
     return _sse(ErrorResponse(error=detail))
 
 
@@ -201,12 +137,14 @@ def _stream(job: Job, chunks: AsyncGenerator[BaseModel, None]) -> Stream:
 
 
 def api_key_guard(api_key: str) -> Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], None]:
-    """A guard that admits a request only with `Authorization: Bearer <api_key>` (vLLM's --api-key)."""
+    """A guard that admits a request only with `Authorization: Bearer <api_key>` (vLLM's --api-key), or with it in
+    `x-api-key`, as the anthropic SDKs send it."""
     expected = api_key.encode()
 
     def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         scheme, _space, token = connection.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        given = token.strip() if scheme.lower() == "bearer" else connection.headers.get("x-api-key", "")
+        if not given or not hmac.compare_digest(given.encode(), expected):
             raise ApiError(401, "Incorrect API key provided for this engine.", code="invalid_api_key")
 
     return guard
@@ -261,9 +199,14 @@ class OpenAIController(Controller):
         except ClientDisconnected:
             return _client_closed()
 
-    @get("/models", summary="The base model and its LoRA adapters")
-    async def models(self, serving: Serving) -> Response[bytes]:
-        return _json(model_cards(serving))
+    @get(
+        "/models", summary="The base model and its LoRA adapters (in Anthropic's shape when anthropic-version is sent)"
+    )
+    async def models(self, request: Request[Any, Any, Any], serving: Serving) -> Response[Any]:
+        cards = model_cards(serving)
+        if ANTHROPIC_VERSION_HEADER in request.headers:
+            return Response(anthropic_model_list(cards))
+        return _json(cards)
 
     @get("/models/{model_id:path}", summary="One model: the base model or a LoRA adapter (the SDK's models.retrieve)")
     async def model(self, model_id: str, serving: Serving) -> Response[bytes]:
@@ -383,7 +326,9 @@ def create_engine_app(
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key must not be empty")
     openai = Router(
-        path="/", route_handlers=[OpenAIController], guards=[] if api_key is None else [api_key_guard(api_key)]
+        path="/",
+        route_handlers=[OpenAIController, MessagesController],
+        guards=[] if api_key is None else [api_key_guard(api_key)],
     )
     app = Litestar(
         route_handlers=[openai, OperationsController],

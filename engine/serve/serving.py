@@ -235,17 +235,25 @@ class OpenAIServing:
             prompts.append(JobPrompt(await self._check_prompt(token_ids, params, "prompt"), text))
         return self._job("cmpl", body, prompts, params, arrived, model, lora)
 
-    async def chat_job(self, body: ChatCompletionRequest) -> Job:
-        arrived = time.perf_counter()
-        model, lora = self._check_model(body.model, body.lora_adapter)
-        params = body.sampling_params(self.engine.core.tokenizer.sampling_defaults)
-        tokenizer = self.engine.core.tokenizer
-        text = tokenizer.apply_chat_template(
+    def chat_prompt(self, body: ChatCompletionRequest) -> str:
+        """The chat's prompt: the model's chat template over its messages and tools."""
+        return self.engine.core.tokenizer.apply_chat_template(
             body.template_messages(),
             add_generation_prompt=body.add_generation_prompt,
             tools=body.template_tools(),
             template_kwargs=body.template_kwargs(),
         )
+
+    async def count_chat_tokens(self, body: ChatCompletionRequest) -> int:
+        """How many tokens the chat's prompt is (the Messages API's count_tokens), without running it."""
+        self._check_model(body.model, body.lora_adapter)
+        return len(await self._encode(self.chat_prompt(body), add_special_tokens=False, param="messages"))
+
+    async def chat_job(self, body: ChatCompletionRequest) -> Job:
+        arrived = time.perf_counter()
+        model, lora = self._check_model(body.model, body.lora_adapter)
+        params = body.sampling_params(self.engine.core.tokenizer.sampling_defaults)
+        text = self.chat_prompt(body)
         reasoning = self.engine.core.config.reasoning
         if reasoning is not None:  # a reasoning model: its think block is followed, split off and held to a budget
             budget = params.thinking_token_budget

@@ -1,9 +1,9 @@
 """Tokenizers in each family's chat format, for the families' chat tests: the family's turn markers as special
 tokens of their own, a chat template that writes turns as the family's does (our own templates, in the families'
-formats: ChatML with Hermes tools and a think block for Qwen3, opened in the prompt as its thinking releases do, start_of_turn / end_of_turn with a `model` role and
-the system text in the first user turn for Gemma, <|user|> ... <|end|> for Phi-3/4), tokenizer_config.json's
-eos_token, and generation_config.json listing the end-of-turn token beside it, as those checkpoints ship (where
-tokenizer_config names one end and generation_config the others)."""
+formats: ChatML with Hermes tools and a think block for Qwen3, opened in the prompt as its thinking releases do;
+start_of_turn / end_of_turn with a `model` role and the system text in the first user turn for Gemma; <|user|> ...
+<|end|> for Phi-3/4), tokenizer_config.json's eos_token, and generation_config.json listing the end-of-turn token
+beside it, as those checkpoints ship (where tokenizer_config names one end and generation_config the others)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ model (what FP8 costs), measured over 256 random positions of each random checkp
 |---|---|---|
 | llama-gqa as each FP8 layout (blocks [128, 128] and [16, 32]) | >= 0.99 (0.9920-0.9930) | >= 0.72 (0.777-0.836) |
 | `quantization="fp8"` at load: llama-gqa, qwen3, gemma3, phi3 | >= 0.985 (0.9888-0.9979) | >= 0.72 (0.773-0.953) |
-| FP8 GEMMs (activations in e4m3 too): llama-gqa as fp8-block, ct-channel | >= 0.98 (0.9856-0.9867) | >= 0.72 (0.758-0.762) |
+| FP8 GEMMs (e4m3 activations): llama-gqa, fp8-block, ct-channel | >= 0.98 (0.9856-0.9867) | >= 0.72 (0.758-0.762) |
 
 e4m3 keeps 3 mantissa bits, a relative error of up to 1/16 per weight whatever the scale's granularity (per tensor,
 channel or block differ by under 0.002 in cosine here), where int8 per channel is exact to 1/254 of the row's
