@@ -36,6 +36,7 @@ from loraplex.platform.domain.completions.controllers import CompletionsControll
 from loraplex.platform.domain.embeddings.controllers import EmbeddingsController
 from loraplex.platform.domain.endpoints.controllers import EndpointController
 from loraplex.platform.domain.fleet.controllers import AdminEngineController
+from loraplex.platform.domain.messages.controllers import MessagesController
 from loraplex.platform.domain.tenants.controllers import AdminTenantController, TenantSelfController
 from loraplex.platform.domain.usage.controllers import UsageController
 from loraplex.platform.errors import handle_exception
@@ -84,6 +85,7 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
             adapter_controller(settings),
             CompletionsController,
             EmbeddingsController,
+            MessagesController,
         ],
         guards=[require_tenant],
         dependencies={"principal": Provide(provide_principal)},

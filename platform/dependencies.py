@@ -44,9 +44,17 @@ async def provide_db(state: State) -> AsyncGenerator[AsyncSession, None]:
 GENERATION_CHECKED_LATER = "generation_checked_later"
 
 
+def tenant_credentials(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    """The request's Authorization header, or its key as Anthropic's clients send it (`x-api-key`) as a bearer."""
+    authorization = connection.headers.get("authorization")
+    if authorization is None and (key := connection.headers.get("x-api-key")):
+        return f"Bearer {key}"
+    return authorization
+
+
 async def require_tenant(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     authenticator = resources_of(connection.app.state).authenticator
-    authorization = connection.headers.get("authorization")
+    authorization = tenant_credentials(connection)
     if handler.opt.get(GENERATION_CHECKED_LATER):
         connection.state.principal, connection.state.config_basis = await authenticator.tenant_checked_later(
             authorization

@@ -1,13 +1,16 @@
 """Errors at the edge, in the client's language.
 
-`/v1` (what OpenAI SDKs call) answers in OpenAI's envelope: `{"error": {message, type, param, code}}`.
-Everything else (`/admin`, health) answers RFC 9457 problem details. One handler picks the shape by path, so
+`/v1` (what OpenAI SDKs call) answers in OpenAI's envelope: `{"error": {message, type, param, code}}`, except
+Anthropic's routes (`/v1/messages...`), which answer in Anthropic's: `{"type": "error", "error": {type, message}}`
+with a `request-id` header, an overloaded engine as 529. Everything else (`/admin`, health) answers RFC 9457
+problem details. One handler picks the shape by path, so
 routing errors (unknown URL, wrong method) and body validation errors are shaped like the handlers' own errors.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from http import HTTPStatus
 from types import TracebackType
 from typing import Any
@@ -19,9 +22,12 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from loraplex.engine.serve.protocols.messages import error_body
+
 logger = logging.getLogger(__name__)
 
 OPENAI_PREFIX = "/v1"
+ANTHROPIC_PREFIX = "/v1/messages"
 PROBLEM_JSON = "application/problem+json"
 # What a 503 tells the client to wait before retrying (OpenAI's SDKs honour Retry-After).
 RETRY_AFTER_S = 5
@@ -131,6 +137,23 @@ def _phrase(status_code: int) -> str:
         return "Error"
 
 
+def _is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def anthropic_error(
+    status_code: int, message: str, *, code: str | None = None, headers: dict[str, str] | None = None
+) -> Response[dict[str, Any]]:
+    """An error in Anthropic's envelope (`messages.error_body`: its types by status, 529 for an overloaded engine),
+    with the `request-id` header its clients log."""
+    status_code, body = error_body(status_code, message, overloaded=code == "overloaded")
+    return Response(body, status_code=status_code, headers={**(headers or {}), "request-id": anthropic_request_id()})
+
+
+def anthropic_request_id() -> str:
+    return "req_" + secrets.token_hex(12)
+
+
 def _is_openai_path(path: str) -> bool:
     return path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/")
 
@@ -236,6 +259,8 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
     if status_code == 503:
         headers.setdefault("Retry-After", str(RETRY_AFTER_S))
 
+    if _is_anthropic_path(request.url.path):
+        return anthropic_error(status_code, message, code=code, headers=headers)
     if openai:
         return openai_error(status_code, message, code=code, param=param, headers=headers)
     return problem(request, status_code, message, code=code, errors=errors, headers=headers)

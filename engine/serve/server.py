@@ -205,7 +205,7 @@ class OpenAIController(Controller):
     async def models(self, request: Request[Any, Any, Any], serving: Serving) -> Response[Any]:
         cards = model_cards(serving)
         if ANTHROPIC_VERSION_HEADER in request.headers:
-            return Response(anthropic_model_list(cards))
+            return Response(anthropic_model_list([(card.id, card.created) for card in cards.data]))
         return _json(cards)
 
     @get("/models/{model_id:path}", summary="One model: the base model or a LoRA adapter (the SDK's models.retrieve)")

@@ -493,16 +493,16 @@ def error_body(status_code: int, message: str, *, overloaded: bool = False) -> t
     return status_code, {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def anthropic_model_list(cards: Any) -> dict[str, Any]:
-    """GET /v1/models in Anthropic's shape, from the OpenAI model list `cards` (its `data`: id and created)."""
+def anthropic_model_list(models: list[tuple[str, int]]) -> dict[str, Any]:
+    """GET /v1/models in Anthropic's shape, from (id, created unix seconds) pairs."""
     data = [
         {
             "type": "model",
-            "id": card.id,
-            "display_name": card.id,
-            "created_at": datetime.fromtimestamp(card.created, UTC).isoformat().replace("+00:00", "Z"),
+            "id": model_id,
+            "display_name": model_id,
+            "created_at": datetime.fromtimestamp(created, UTC).isoformat().replace("+00:00", "Z"),
         }
-        for card in cards.data
+        for model_id, created in models
     ]
     first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
     return {"data": data, "has_more": False, "first_id": first, "last_id": last}

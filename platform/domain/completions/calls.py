@@ -17,6 +17,7 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.concurrency import HeldLease, concurrency_error
 from loraplex.platform.config_cache import Basis
+from loraplex.platform.dependencies import tenant_credentials
 from loraplex.platform.domain.completions.lookups import TenantTerms
 from loraplex.platform.domain.completions.service import Call
 from loraplex.platform.errors import ApiError, openai_error
@@ -111,7 +112,7 @@ async def admit(
 
 async def _again(request: HttpRequest[Any, Any, Any], resources: Resources) -> TenantPrincipal:
     """The request's key, authenticated again after the tables changed (the generation was read since it began)."""
-    return await resources.authenticator.tenant(request.headers.get("authorization"), sync=False)
+    return await resources.authenticator.tenant(tenant_credentials(request), sync=False)
 
 
 async def unwatch(gone: asyncio.Future[None]) -> None:

@@ -18,6 +18,7 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.params import JSONBody
 from litestar.response import Stream
 
+from loraplex.engine.serve.protocols.messages import ANTHROPIC_VERSION_HEADER, anthropic_model_list
 from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.concurrency import HeldLease
 from loraplex.platform.config_cache import Basis
@@ -69,7 +70,40 @@ def _sse(event: dict[str, Any]) -> str:
     return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
 
 
-async def _prepare(resources: Resources, principal: TenantPrincipal, body: Request, path: str) -> Prepared:
+class Framing:
+    """How a completion is written for its client's protocol: this class, OpenAI's chat and completions as the
+    engine writes them; a subclass per other protocol (platform/domain/messages: Anthropic's), one per request."""
+
+    running_usage = False  # the protocol reads each chunk's running usage (`Call.running_usage`)
+
+    def request_id(self, chat: bool) -> str:
+        return new_request_id(chat)
+
+    def headers(self, call: Call) -> dict[str, str]:
+        return {}
+
+    def answer(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """The whole answer, from the chat or completion assembled from the engine's stream."""
+        return answer
+
+    def chunk(self, event: dict[str, Any]) -> str:
+        """The stream's text for one engine chunk (rewritten for the client already)."""
+        return _sse(event)
+
+    def error(self, error: ApiError) -> str:
+        """The stream's text for a failure after it began."""
+        return _sse({"error": {"message": error.message, "type": "server_error", "param": None, "code": error.code}})
+
+    def done(self) -> str:
+        return SSE_DONE
+
+
+OPENAI = Framing()
+
+
+async def _prepare(
+    resources: Resources, principal: TenantPrincipal, body: Request, path: str, framing: Framing
+) -> Prepared:
     """What the request's cached lookups decide, before its admission: model, terms, tier, a replica. Raises the
     refusals they make."""
     target = await resolve(resources, principal, body.model)
@@ -95,7 +129,7 @@ async def _prepare(resources: Resources, principal: TenantPrincipal, body: Reque
             503, f"No engine serves '{target.base_model.name}' right now; retry shortly.", code="engine_unavailable"
         )
     call = Call(
-        request_id=new_request_id(isinstance(body, ChatCompletionRequest)),
+        request_id=framing.request_id(isinstance(body, ChatCompletionRequest)),
         principal=principal,
         target=target,
         body=body,
@@ -115,16 +149,20 @@ async def complete(
     body: Request,
     path: str,
     basis: Basis | None = None,
+    framing: Framing = OPENAI,
 ) -> Response[Any]:
-    """Answer a completion of `principal`. `basis`: what its key's lookup relied on, when the configuration generation
-    was not read before it (`Authenticator.tenant_checked_later`); None when it was."""
+    """Answer a completion of `principal`, written as `framing` writes it. `basis`: what its key's lookup relied on,
+    when the configuration generation was not read before it (`Authenticator.tenant_checked_later`); None when it
+    was."""
     # Watched from the start: a client that gave up while this request waited (on a slow database, say) has gone
     # before the engine is asked, and then nothing runs.
     gone = asyncio.ensure_future(disconnected(request))
     try:
         call, headers, lease = await admit(
-            request, resources, principal, lambda p: _prepare(resources, p, body, path), basis
+            request, resources, principal, lambda p: _prepare(resources, p, body, path, framing), basis
         )
+        call.running_usage = framing.running_usage
+        headers |= framing.headers(call)
     except BaseException:
         await unwatch(gone)
         raise
@@ -132,7 +170,7 @@ async def complete(
     # waiting for the store once the answer is complete), else by the stream (when it ends, fails, or its client
     # leaves).
     try:
-        response = await _answer(resources, call, headers, gone, lease)
+        response = await _answer(resources, call, headers, gone, lease, framing)
     except BaseException:
         await lease.release()
         raise
@@ -142,7 +180,12 @@ async def complete(
 
 
 async def _answer(
-    resources: Resources, call: Call, headers: dict[str, str], gone: asyncio.Future[None], lease: HeldLease
+    resources: Resources,
+    call: Call,
+    headers: dict[str, str],
+    gone: asyncio.Future[None],
+    lease: HeldLease,
+    framing: Framing,
 ) -> Response[Any]:
     """The answer to an admitted request; `gone` watches its client until a stream (which watches it itself)
     begins."""
@@ -159,7 +202,7 @@ async def _answer(
                 await record_usage(resources, call)
                 raise
             record_usage_soon(resources, call)
-            return Response(answer, headers=headers)
+            return Response(framing.answer(answer), headers=headers)
     finally:
         # A stream is watched by Litestar's Stream from here on: this watcher must not take its messages.
         await unwatch(gone)
@@ -182,7 +225,7 @@ async def _answer(
         await events.aclose()
         await record_usage(resources, call)
         raise _failed(first["error"])
-    body_stream = _stream(resources, call, events, first, lease)
+    body_stream = _stream(resources, call, events, first, lease, framing)
     return Stream(
         body_stream,
         media_type="text/event-stream",
@@ -204,6 +247,7 @@ async def _stream(
     events: AsyncGenerator[dict[str, Any], None],
     first: dict[str, Any] | None,
     lease: HeldLease,
+    framing: Framing,
 ) -> AsyncGenerator[str, None]:
     """SSE to the client: `first` (already taken from `events`), then the rest; an engine failure mid-stream ends
     it with an error event. The lease is released before [DONE] is sent, so a client that sends its next request
@@ -213,17 +257,15 @@ async def _stream(
     try:
         try:
             if first is not None:  # the engine's first chat chunk carries the role delta
-                yield _sse(first)
+                yield framing.chunk(first)
                 async for event in events:
-                    yield _sse(event)
+                    yield framing.chunk(event)
         except (EngineRequestError, EngineUnavailable) as exc:
             call.tally.status = "error"
-            error = engine_error(exc)
-            message = {"message": error.message, "type": "server_error", "param": None, "code": error.code}
-            yield _sse({"error": message})
+            yield framing.error(engine_error(exc))
         await events.aclose()
         await lease.release()
-        yield SSE_DONE
+        yield framing.done()
     finally:
         try:
             await events.aclose()
@@ -374,12 +416,19 @@ class CompletionsController(Controller):
     ) -> Response[Any]:
         return await complete(request, resources, principal, data, "/v1/completions", config_basis(request))
 
-    @get("/models", summary="Models you can name: your endpoints and the base models")
-    async def models(self, principal: Principal, resources: AppResources) -> dict[str, Any]:
+    @get(
+        "/models",
+        summary="Models you can name: your endpoints and the base models (Anthropic's shape with anthropic-version)",
+    )
+    async def models(
+        self, request: HttpRequest[Any, Any, Any], principal: Principal, resources: AppResources
+    ) -> dict[str, Any]:
         async with resources.sessions() as session:
             base_models = await BaseModelRepository(session).list()
             endpoints = await EndpointService(session).list_all(principal.tenant_id)
         data = [_endpoint_card(e) for e in endpoints] + [_base_model_card(b) for b in base_models]
+        if ANTHROPIC_VERSION_HEADER in request.headers:  # Claude Code and the anthropic SDKs list models so
+            return anthropic_model_list([(card["id"], card["created"]) for card in data])
         return {"object": "list", "data": data}
 
     @get("/models/{model_id:path}", summary="One model you can name (the SDK's models.retrieve)")

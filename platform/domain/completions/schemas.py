@@ -25,6 +25,7 @@ MAX_LOGIT_BIAS = 300  # entries; OpenAI's bound on how many tokens one request m
 MAX_CHOICES = 128  # for guided_choice
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit on choices
+MAX_TOP_K = 1_000_000
 MAX_THINKING_TOKENS = MAX_THINKING_BUDGET  # the most a thinking_token_budget may be (the engine's bound on a tier's)
 MAX_TEMPLATE_KWARGS = 16
 MAX_TEMPLATE_TEXT = 1000  # characters of a string value of chat_template_kwargs
@@ -152,6 +153,7 @@ class _Common(RequestBody):
     logit_bias: Annotated[dict[TokenId, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM's extras, as its users send them
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    top_k: Annotated[int, Field(ge=1, le=MAX_TOP_K)] | None = None  # also Anthropic's (the Messages API's)
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
     guided_json: dict[str, Any] | None = None
     guided_regex: Annotated[str, StringConstraints(min_length=1, max_length=10_000)] | None = None

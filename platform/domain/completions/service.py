@@ -92,6 +92,7 @@ class Call:
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     tally: UsageTally = field(default_factory=UsageTally)
     warm_peer: Replica | None = None  # another replica that may hold the prompt's prefix (Choice.warm_peer)
+    running_usage: bool = False  # chunks keep their running usage for the client's protocol (Anthropic's stream)
 
 
 async def resolve(resources: Resources, principal: TenantPrincipal, model: str) -> Target:
@@ -348,7 +349,7 @@ async def relay(resources: Resources, call: Call) -> AsyncGenerator[dict[str, An
                 logger.warning("%s: the engine failed the request: %s", call.request_id, error.get("message"))
                 yield {"error": engine_failure(error.get("code"))}
                 return
-            usage = event.pop("usage", None)
+            usage = event.get("usage") if call.running_usage else event.pop("usage", None)
             choices = event.get("choices") or []
             event["id"], event["model"], event["created"] = call.request_id, call.target.model, created
             event["service_tier"] = call.service_tier.value  # the platform's resolution, whatever the engine echoes
