@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from loraplex.engine.serve.protocols.messages import error_body
+from loraplex.engine.serve import messages
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def anthropic_error(
 ) -> Response[dict[str, Any]]:
     """An error in Anthropic's envelope (`messages.error_body`: its types by status, 529 for an overloaded engine),
     with the `request-id` header its clients log."""
-    status_code, body = error_body(status_code, message, overloaded=code == "overloaded")
+    status_code, body = messages.error_body(status_code, message, overloaded=code == "overloaded")
     return Response(body, status_code=status_code, headers={**(headers or {}), "request-id": anthropic_request_id()})
 
 

@@ -1,6 +1,6 @@
 """The engine's faces: the offline `LLM`, the `AsyncEngine` thread, the OpenAI-compatible HTTP server (protocol,
-serving, the adapter name registry, the edge guards), Prometheus metrics, fleet registration, and the
-`loraplex engine ...` commands.
+serving, the adapter name registry, the edge guards), the other wire protocols (protocols/: Anthropic's Messages),
+Prometheus metrics, fleet registration, and the `loraplex engine ...` commands.
 
 May import: engine.core and everything below it. Nothing in the engine imports engine.serve; the platform does,
 through the names below (loaded on first use, like the engine package's).
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from loraplex.engine.serve.cli import configure_logging, engine
     from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
     from loraplex.engine.serve.protocol import RESERVED_TEMPLATE_VARIABLES, completion_limit
+    from loraplex.engine.serve.protocols import messages
     from loraplex.engine.serve.registration import ENGINE_KEY, ENGINES_SET, FleetRecord, engine_record
     from loraplex.engine.serve.server import create_engine_app, serve
     from loraplex.engine.serve.tool_calls import NamedToolChoice, ToolDefinition
@@ -33,6 +34,7 @@ __all__ = [
     "create_engine_app",
     "engine",
     "engine_record",
+    "messages",
     "refuse_nul_bytes",
     "serve",
 ]
@@ -56,9 +58,15 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        import importlib
+# Modules the platform uses whole: `messages`, the Messages API's converter (its routes' shapes and writing).
+_MODULES = {"messages": "loraplex.engine.serve.protocols.messages"}
 
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _WHERE:
         return getattr(importlib.import_module(_WHERE[name]), name)
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name])
     raise AttributeError(f"module 'loraplex.engine.serve' has no attribute {name!r}")

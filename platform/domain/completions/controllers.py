@@ -18,7 +18,7 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.params import JSONBody
 from litestar.response import Stream
 
-from loraplex.engine.serve.protocols.messages import ANTHROPIC_VERSION_HEADER, anthropic_model_list
+from loraplex.engine.serve import messages
 from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.concurrency import HeldLease
 from loraplex.platform.config_cache import Basis
@@ -427,8 +427,8 @@ class CompletionsController(Controller):
             base_models = await BaseModelRepository(session).list()
             endpoints = await EndpointService(session).list_all(principal.tenant_id)
         data = [_endpoint_card(e) for e in endpoints] + [_base_model_card(b) for b in base_models]
-        if ANTHROPIC_VERSION_HEADER in request.headers:  # Claude Code and the anthropic SDKs list models so
-            return anthropic_model_list([(card["id"], card["created"]) for card in data])
+        if messages.ANTHROPIC_VERSION_HEADER in request.headers:  # Claude Code and the anthropic SDKs list models so
+            return messages.anthropic_model_list([(card["id"], card["created"]) for card in data])
         return {"object": "list", "data": data}
 
     @get("/models/{model_id:path}", summary="One model you can name (the SDK's models.retrieve)")

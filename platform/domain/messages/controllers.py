@@ -15,17 +15,8 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.params import JSONBody
 from pydantic import ValidationError
 
-from loraplex.engine.errors import RequestError
-from loraplex.engine.serve.protocols.messages import (
-    CountTokensRequest,
-    MessagesRequest,
-    MessageStream,
-    error_body,
-    message_of,
-    new_message_id,
-    sse,
-    to_chat,
-)
+from loraplex.engine import RequestError
+from loraplex.engine.serve import messages as messages_api
 from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.dependencies import GENERATION_CHECKED_LATER, AppResources, Principal, config_basis
 from loraplex.platform.domain.completions.calls import MAX_BODY_BYTES
@@ -46,10 +37,10 @@ class AnthropicFraming(Framing):
     running_usage = True  # message_start carries the prompt's usage, known from the first chunk
 
     def __init__(self, model: str, stop_sequences: list[str]) -> None:
-        self.message_id = new_message_id()
+        self.message_id = messages_api.new_message_id()
         self.model = model
         self.stop_sequences = stop_sequences
-        self.events = MessageStream(message_id=self.message_id, model=model, stop_sequences=stop_sequences)
+        self.events = messages_api.MessageStream(message_id=self.message_id, model=model, stop_sequences=stop_sequences)
         self.failed = False
 
     def request_id(self, chat: bool) -> str:
@@ -59,20 +50,26 @@ class AnthropicFraming(Framing):
         return {"request-id": anthropic_request_id()}
 
     def answer(self, answer: dict[str, Any]) -> dict[str, Any]:
-        return message_of(answer, message_id=self.message_id, model=self.model, stop_sequences=self.stop_sequences)
+        return messages_api.message_of(
+            answer, message_id=self.message_id, model=self.model, stop_sequences=self.stop_sequences
+        )
 
     def chunk(self, event: dict[str, Any]) -> str:
         if "error" in event:  # the engine failed the request after accepting it (service.engine_failure)
             self.failed = True
-            return sse("error", error_body(500, str(event["error"].get("message", "The engine failed.")))[1])
-        return "".join(sse(name, data) for name, data in self.events.feed(event))
+            return messages_api.sse(
+                "error", messages_api.error_body(500, str(event["error"].get("message", "The engine failed.")))[1]
+            )
+        return "".join(messages_api.sse(name, data) for name, data in self.events.feed(event))
 
     def error(self, error: ApiError) -> str:
         self.failed = True
-        return sse("error", error_body(error.status_code, error.message, overloaded=error.code == "overloaded")[1])
+        return messages_api.sse(
+            "error", messages_api.error_body(error.status_code, error.message, overloaded=error.code == "overloaded")[1]
+        )
 
     def done(self) -> str:
-        return "" if self.failed else "".join(sse(name, data) for name, data in self.events.end())
+        return "" if self.failed else "".join(messages_api.sse(name, data) for name, data in self.events.end())
 
 
 def _too_large(_: HttpRequest[Any, Any, Any], __: RequestEntityTooLarge) -> Response[dict[str, Any]]:
@@ -102,9 +99,9 @@ def _chat_body(chat: dict[str, Any]) -> ChatCompletionRequest:
         raise invalid_request(f"Invalid value for '{where}': {first.get('msg', 'invalid value')}") from None
 
 
-def _converted(body: CountTokensRequest, target: Target) -> dict[str, Any]:
+def _converted(body: messages_api.CountTokensRequest, target: Target) -> dict[str, Any]:
     try:
-        return to_chat(body, reasoning_model=_reasons(target))
+        return messages_api.to_chat(body, reasoning_model=_reasons(target))
     except RequestError as exc:
         raise invalid_request(str(exc), param=exc.param) from None
 
@@ -124,7 +121,7 @@ class MessagesController(Controller):
     async def messages(
         self,
         request: HttpRequest[Any, Any, Any],
-        data: JSONBody[MessagesRequest],
+        data: JSONBody[messages_api.MessagesRequest],
         principal: Principal,
         resources: AppResources,
     ) -> Response[Any]:
@@ -145,7 +142,7 @@ class MessagesController(Controller):
         exception_handlers={RequestEntityTooLarge: _too_large},
     )
     async def count_tokens(
-        self, data: JSONBody[CountTokensRequest], principal: Principal, resources: AppResources
+        self, data: JSONBody[messages_api.CountTokensRequest], principal: Principal, resources: AppResources
     ) -> Response[dict[str, Any]]:
         """Counted by an engine serving the base model (the chat template is the base model's, adapter or not);
         free, as Anthropic's is."""
