@@ -149,6 +149,10 @@ def test_api_tour_runs_as_written(dev_server: tuple[str, list[str], Path]) -> No
     report = re.search(r'"rows":\[\{"tenant_name":"acme-tour"[^}]*"cost_total":"([0-9.]+)"', compact)
     assert bill is not None and report is not None, output
     assert bill.group(1) == report.group(1) and float(bill.group(1)) > 0, output
+    # The Messages API on the same endpoint: a thinking block (held to its budget of 16), then the answer.
+    assert re.search(
+        r"(?:^|\})claude thinker: \['thinking', 'text'\], stop_reason (end_turn|max_tokens)$", result.stdout, re.M
+    ), output
 
 
 @pytest.mark.unit
