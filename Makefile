@@ -65,6 +65,7 @@ bench: $(STAMP) native
 	$(BIN)/python benchmarks/platform_overhead.py $(BENCH_OVERHEAD_ARGS)
 	$(BIN)/python benchmarks/tensor_parallel.py
 	$(BIN)/python benchmarks/kv_transfer.py
+	$(BIN)/python benchmarks/protocol_overhead.py
 	$(BIN)/python benchmarks/suite.py
 	$(BIN)/python benchmarks/report.py
 

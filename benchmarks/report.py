@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import report_platform
+import report_protocols
 import report_sections
 from report_data import BENCHMARKS, SHAPE_ERRORS, Results, command, latency, ms, num, pct, table, x
 from report_plots import Plots
@@ -287,6 +288,20 @@ def _kv_transfer_rows(doc: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _protocol_rows(doc: dict[str, Any]) -> list[Row]:
+    rows = []
+    for mode, figures in doc["modes"].items():
+        rows.append(
+            Row(
+                f"latency the Messages API adds over chat completions, p50 (engine server,"
+                f" {report_protocols.mode_words(mode, figures)})",
+                f"**{report_protocols.added(figures['added_p50_ms'])}**",
+                f"{ms(figures['messages']['p50_ms'])} against {ms(figures['chat']['p50_ms'])}",
+            )
+        )
+    return rows
+
+
 HEADLINE: tuple[tuple[str, Callable[[dict[str, Any]], list[Row]]], ...] = (
     ("suite", _suite_rows),
     ("engine_throughput", _engine_rows),
@@ -302,6 +317,7 @@ HEADLINE: tuple[tuple[str, Callable[[dict[str, Any]], list[Row]]], ...] = (
     ("platform_overhead", _platform_rows),
     ("tensor_parallel", _tensor_parallel_rows),
     ("kv_transfer", _kv_transfer_rows),
+    ("protocol_overhead", _protocol_rows),
 )
 
 

@@ -75,6 +75,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "kv_transfer": Benchmark(
         f"{PYTHON} benchmarks/kv_transfer.py", "KV blocks fetched from another engine against recomputed"
     ),
+    "protocol_overhead": Benchmark(
+        f"{PYTHON} benchmarks/protocol_overhead.py", "what the agent protocols add over chat completions"
+    ),
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import report_platform
 import report_plots
+import report_protocols
 import report_suite
 from report_data import PYTHON, Results, mib, ms, num, pct, table, writes, x
 from report_plots import Plots
@@ -533,4 +534,5 @@ SECTIONS: tuple[Section, ...] = (
     Section("What the platform adds per request", (Part("platform_overhead", report_platform.platform_overhead),)),
     Section("Tensor parallelism", (Part("tensor_parallel", tensor_parallel),)),
     Section("KV transfer between engines", (Part("kv_transfer", kv_transfer),)),
+    Section("Agent protocols", (Part("protocol_overhead", report_protocols.protocol_overhead),)),
 )
