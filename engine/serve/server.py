@@ -2,8 +2,9 @@
 
 Routes: POST /v1/completions and /v1/chat/completions (streaming or not; `model` names the base model or a LoRA
 adapter, or a trusted caller names an adapter's files and digest in `lora_adapter`), POST /v1/embeddings (an
-embedding model's, engine/serve/embeddings.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's, in
-its envelope: engine/serve/protocols/messages_http.py), GET /v1/models (the base model
+embedding model's, engine/serve/embeddings.py), POST /v1/responses (OpenAI's Responses API, stateless:
+engine/serve/protocols/responses_http.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's, in its
+envelope: engine/serve/protocols/messages_http.py), GET /v1/models (the base model
 and its adapters), POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), GET /v1/state (the load the
 platform's router reads), GET /healthz, GET /metrics (Prometheus). Every error, routing and body validation
 included, answers in OpenAI's envelope `{"error": {message, type, param, code}}`.
@@ -62,6 +63,7 @@ from loraplex.engine.serve.protocol import (
 )
 from loraplex.engine.serve.protocols.messages import ANTHROPIC_VERSION_HEADER, anthropic_model_list
 from loraplex.engine.serve.protocols.messages_http import MessagesController
+from loraplex.engine.serve.protocols.responses_http import ResponsesController
 from loraplex.engine.serve.registration import FleetRegistration, RegistrationConfig
 from loraplex.engine.serve.server_info import engine_state, model_card, model_cards
 from loraplex.engine.serve.serving import OpenAIServing
@@ -327,7 +329,7 @@ def create_engine_app(
         raise ValueError("api_key must not be empty")
     openai = Router(
         path="/",
-        route_handlers=[OpenAIController, MessagesController],
+        route_handlers=[OpenAIController, MessagesController, ResponsesController],
         guards=[] if api_key is None else [api_key_guard(api_key)],
     )
     app = Litestar(

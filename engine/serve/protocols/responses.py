@@ -1,0 +1,587 @@
+"""OpenAI's Responses API (what Codex CLI and the Agents SDK send) as the engine's chat: the request shape, its
+conversion into a chat request (engine/serve/protocol.py's fields, as a dict), and the chat's answer and stream
+chunks (dicts) back into a response object and its typed stream events.
+
+Mapping, both ways:
+- `instructions` is the system message; `input` a string (one user message) or items: messages (`role` user,
+  system, developer or assistant; content a string or `input_text` / `output_text` parts), `function_call` items
+  (an assistant turn's tool calls; consecutive ones join the assistant turn before them), `function_call_output`
+  items (tool messages answering their `call_id`), and `reasoning` items passed back (accepted, left out of the
+  prompt as chat templates leave earlier reasoning out). Images, files, item references and built-in tools' items
+  are a 400 naming their type.
+- `tools` of type `function` are chat's functions (`strict` is honoured: `required`/named calls are held to their
+  schemas by the structured-output engine, as chat's are); other tool types (web search, file search, computer
+  use...) are a 400. `tool_choice` and `parallel_tool_calls` go across; `text.format` is chat's `response_format`;
+  `reasoning.effort` the reasoning tier (the thinking budget); `max_output_tokens`, `temperature`, `top_p`,
+  `top_logprobs` (logprobs of the output text), `user` as chat's.
+- Output items: a `reasoning` item with the think block as `reasoning_text` content, a `message` with one
+  `output_text` part, a `function_call` per call (`call_id` the chat call's id). `status` is `completed`, or
+  `incomplete` with `incomplete_details.reason` `max_output_tokens`. Usage in the Responses API's names, the
+  prefix-cache hits as `input_tokens_details.cached_tokens`.
+- Streaming: `response.created`, `response.in_progress`, per item `response.output_item.added`, its part and
+  deltas (`response.output_text.delta` / `.done` inside `response.content_part.added` / `.done`,
+  `response.reasoning_text.delta` / `.done`, `response.function_call_arguments.delta` / `.done`) and
+  `response.output_item.done`, then `response.completed` (or `response.incomplete`) with the whole response; every
+  event numbered by `sequence_number`. A failure after the start is `response.failed`.
+
+State (`store`, `previous_response_id`, retrieval) is the caller's: the platform stores responses per tenant and
+hands their items back as input (`items_of` writes a response's output as the input items that continue it).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from loraplex.engine.errors import RequestError
+
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class FunctionChoice(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", serialize_by_alias=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+    description: str | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")  # verbosity
+
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")  # summary, generate_summary
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # truncation, safety_identifier, prompt_cache_key...: accepted
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "required", "none"] | FunctionChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: StrictBool | None = None
+    previous_response_id: str | None = None
+    include: list[str] | None = None
+    stream: StrictBool = False
+    background: StrictBool | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if value == "" or value == []:
+            raise ValueError("input must not be empty")
+        return value
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+def new_response_id() -> str:
+    return "resp_" + secrets.token_hex(12)
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+# --- request -----------------------------------------------------------------------------------------------------
+
+
+def to_chat(body: ResponsesRequest, history: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The chat request `body` asks for (without `stream`), continuing `history` (the input items of the responses
+    before it, and their output, oldest first: the caller's store). RequestError (a 400) for what the engine cannot
+    do as asked."""
+    chat: dict[str, Any] = {"messages": chat_messages(body, list(history))}
+    if body.model is not None:
+        chat["model"] = body.model
+    if body.tools:
+        chat["tools"] = [_function(tool, index) for index, tool in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        choice = body.tool_choice
+        chat["tool_choice"] = (
+            {"type": "function", "function": {"name": choice.name}} if isinstance(choice, FunctionChoice) else choice
+        )
+    if body.parallel_tool_calls is not None:
+        chat["parallel_tool_calls"] = body.parallel_tool_calls
+    text_format = body.text.format if body.text is not None else None
+    if text_format is not None and text_format.type != "text":
+        if text_format.type == "json_object":
+            chat["response_format"] = {"type": "json_object"}
+        else:
+            schema: dict[str, Any] = {"name": text_format.name or "output", "schema": text_format.schema_ or {}}
+            if text_format.strict is not None:
+                schema["strict"] = text_format.strict
+            chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
+    if body.max_output_tokens is not None:
+        chat["max_completion_tokens"] = body.max_output_tokens
+    for name in ("temperature", "top_p", "user"):
+        if (value := getattr(body, name)) is not None:
+            chat[name] = value
+    if body.top_logprobs is not None:
+        chat |= {"logprobs": True, "top_logprobs": body.top_logprobs}
+    return chat
+
+
+def chat_messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation: `instructions`, then `history`'s items, then `body.input`'s."""
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    for index, item in enumerate([*history, *items]):
+        where = f"input[{index - len(history)}]" if index >= len(history) else "previous_response_id"
+        _add_item(messages, item, where)
+    return messages
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError("content must be a string or a list of text parts", param=f"{where}.content")
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise RequestError(
+                f"content parts of type '{kind}' are not supported by this server (it takes input_text and"
+                " output_text)",
+                param=f"{where}.content[{index}]",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
+    if not isinstance(item, dict):
+        raise RequestError("an input item must be an object", param=where)
+    kind = item.get("type", "message")
+    if kind not in ITEM_TYPES:
+        raise RequestError(
+            f"input items of type '{kind}' are not supported by this server (it takes messages, function_call,"
+            " function_call_output and reasoning items)",
+            param=f"{where}.type",
+        )
+    if kind == "reasoning":
+        return  # passed back: accepted, not part of the prompt
+    if kind == "message":
+        role = item.get("role")
+        if role not in MESSAGE_ROLES:
+            raise RequestError(f"role must be one of {', '.join(MESSAGE_ROLES)}", param=f"{where}.role")
+        messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        return
+    if kind == "function_call":
+        call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+        if not (isinstance(call_id, str) and call_id and isinstance(name, str) and isinstance(arguments, str)):
+            raise RequestError("a function_call item needs call_id, name and arguments (strings)", param=where)
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+            if not last.get("content"):
+                last["content"] = None
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        return
+    call_id, output = item.get("call_id"), item.get("output")
+    if not isinstance(call_id, str) or not call_id:
+        raise RequestError("a function_call_output item needs the call_id it answers", param=f"{where}.call_id")
+    messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
+
+
+def _function(tool: FunctionTool, index: int) -> dict[str, Any]:
+    if tool.type != "function":
+        raise RequestError(
+            f"tools of type '{tool.type}' are not supported by this server: it runs function tools only",
+            param=f"tools[{index}].type",
+        )
+    if not tool.name:
+        raise RequestError("a function tool needs its name", param=f"tools[{index}].name")
+    function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters or {"type": "object"}}
+    if tool.description is not None:
+        function["description"] = tool.description
+    if tool.strict is not None:
+        function["strict"] = tool.strict
+    return {"type": "function", "function": function}
+
+
+# --- answer ------------------------------------------------------------------------------------------------------
+
+
+def _usage(usage: dict[str, Any] | None) -> dict[str, Any]:
+    usage = usage or {}
+    prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    reasoning = int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0))
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": prompt + completion,
+    }
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+def _text_part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _message_item(item_id: str, text: str | None, status: str = "completed", logprobs: Any = None) -> dict[str, Any]:
+    content = [_text_part(text, logprobs)] if text is not None else []
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _logprobs(choice_logprobs: Any) -> list[dict[str, Any]]:
+    """Chat's logprobs content as the Responses API's (token, logprob, bytes, top_logprobs)."""
+    if not isinstance(choice_logprobs, dict):
+        return []
+    return [
+        {
+            "token": entry.get("token", ""),
+            "logprob": entry.get("logprob", 0.0),
+            "bytes": entry.get("bytes") or [],
+            "top_logprobs": [
+                {"token": t.get("token", ""), "logprob": t.get("logprob", 0.0), "bytes": t.get("bytes") or []}
+                for t in entry.get("top_logprobs") or []
+            ],
+        }
+        for entry in choice_logprobs.get("content") or []
+    ]
+
+
+def envelope(
+    body: ResponsesRequest,
+    *,
+    response_id: str,
+    model: str,
+    created_at: int,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    store: bool,
+) -> dict[str, Any]:
+    """The response object around `output`, echoing the request's settings as OpenAI's does."""
+    text_format = (
+        body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else None
+    )
+    tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, FunctionChoice) else body.tool_choice
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "model": model,
+        "status": status,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "error": None,
+        "instructions": body.instructions,
+        "output": output,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "tool_choice": tool_choice or "auto",
+        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
+        "text": {"format": text_format or {"type": "text"}},
+        "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_logprobs": body.top_logprobs,
+        "metadata": body.metadata or {},
+        "user": body.user,
+        "store": store,
+        "previous_response_id": body.previous_response_id,
+        "usage": usage,
+    }
+
+
+def response_of(
+    answer: dict[str, Any], body: ResponsesRequest, *, response_id: str, model: str, store: bool
+) -> dict[str, Any]:
+    """The response to a (non-streamed) chat `answer`."""
+    choice = answer["choices"][0]
+    message = choice.get("message") or {}
+    output: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        output.append(_reasoning_item(_item_id("rs"), message["reasoning_content"]))
+    if message.get("content") or not message.get("tool_calls"):
+        output.append(
+            _message_item(_item_id("msg"), message.get("content") or "", logprobs=_logprobs(choice.get("logprobs")))
+        )
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        output.append(_call_item(_item_id("fc"), call["id"], function.get("name", ""), function.get("arguments", "")))
+    status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+    return envelope(
+        body,
+        response_id=response_id,
+        model=model,
+        created_at=int(answer.get("created") or time.time()),
+        status=status,
+        output=output,
+        usage=_usage(answer.get("usage")),
+        store=store,
+    )
+
+
+def items_of(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """A response's output as the input items that continue its conversation (what `previous_response_id` adds)."""
+    items = []
+    for item in response.get("output") or []:
+        if item.get("type") == "message":
+            text = "".join(part.get("text", "") for part in item.get("content") or [])
+            items.append({"type": "message", "role": "assistant", "content": text})
+        elif item.get("type") == "function_call":
+            items.append({key: item[key] for key in ("type", "call_id", "name", "arguments")})
+    return items
+
+
+class ResponseStream:
+    """The Responses API's stream events of a chat stream: `feed` each chat chunk (a dict, with its running usage),
+    then `end`; each returns the events it makes. `response` is the whole response once it has ended."""
+
+    def __init__(self, body: ResponsesRequest, *, response_id: str, model: str, store: bool) -> None:
+        self._body, self._id, self._model, self._store = body, response_id, model, store
+        self._created = int(time.time())
+        self._sequence = 0
+        self._started = False
+        self._items: list[dict[str, Any]] = []  # the output so far; the last may be open
+        self._open: str | None = None  # the type of the open item
+        self._usage: dict[str, Any] | None = None
+        self._finish: str | None = None
+        self.response: dict[str, Any] | None = None
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def _snapshot(self, status: str) -> dict[str, Any]:
+        return envelope(
+            self._body,
+            response_id=self._id,
+            model=self._model,
+            created_at=self._created,
+            status=status,
+            output=[dict(item) for item in self._items],
+            usage=_usage(self._usage) if status != "in_progress" else None,
+            store=self._store,
+        )
+
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
+        if not self._started:
+            self._started = True
+            snapshot = self._snapshot("in_progress")
+            events += [self._event("response.created", response=snapshot)]
+            events += [self._event("response.in_progress", response=snapshot)]
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._open_item("reasoning")
+                item = self._items[-1]
+                item["content"][0]["text"] += delta["reasoning_content"]
+                events.append(
+                    self._event(
+                        "response.reasoning_text.delta",
+                        item_id=item["id"],
+                        output_index=len(self._items) - 1,
+                        content_index=0,
+                        delta=delta["reasoning_content"],
+                    )
+                )
+            if delta.get("content"):
+                events += self._open_item("message")
+                item = self._items[-1]
+                item["content"][0]["text"] += delta["content"]
+                events.append(
+                    self._event(
+                        "response.output_text.delta",
+                        item_id=item["id"],
+                        output_index=len(self._items) - 1,
+                        content_index=0,
+                        delta=delta["content"],
+                        logprobs=[],
+                    )
+                )
+            for call in delta.get("tool_calls") or []:
+                function = call.get("function") or {}
+                if call.get("id"):
+                    events += self._open_item("function_call", call_id=call["id"], name=function.get("name") or "")
+                arguments = function.get("arguments")
+                if arguments and self._open == "function_call":
+                    item = self._items[-1]
+                    item["arguments"] += arguments
+                    events.append(
+                        self._event(
+                            "response.function_call_arguments.delta",
+                            item_id=item["id"],
+                            output_index=len(self._items) - 1,
+                            delta=arguments,
+                        )
+                    )
+            if choice.get("finish_reason") is not None:
+                self._finish = choice["finish_reason"]
+        return events
+
+    def end(self) -> list[dict[str, Any]]:
+        events = self._close_item()
+        if not self._items:  # an empty answer is still a message, as the whole response has one
+            events += self._open_item("message") + self._close_item()
+        status = "incomplete" if self._finish == "length" else "completed"
+        self.response = self._snapshot(status)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [*events, self._event(kind, response=self.response)]
+
+    def failed(self, message: str, code: str | None) -> dict[str, Any]:
+        """The `response.failed` event of a stream that broke after it began."""
+        snapshot = self._snapshot("failed")
+        snapshot["error"] = {"code": code or "server_error", "message": message}
+        return self._event("response.failed", response=snapshot)
+
+    def _open_item(self, kind: str, **fields: Any) -> list[dict[str, Any]]:
+        if self._open == kind and kind != "function_call":
+            return []
+        events = self._close_item()
+        if kind == "reasoning":
+            item = _reasoning_item(_item_id("rs"), "", status="in_progress")
+            item["content"] = [{"type": "reasoning_text", "text": ""}]
+        elif kind == "message":
+            item = _message_item(_item_id("msg"), None, status="in_progress")
+        else:
+            item = _call_item(_item_id("fc"), fields["call_id"], fields["name"], "", status="in_progress")
+        self._items.append(item)
+        self._open = kind
+        index = len(self._items) - 1
+        events.append(
+            self._event(
+                "response.output_item.added",
+                output_index=index,
+                item=dict(item, content=[]) if kind != "function_call" else dict(item),
+            )
+        )
+        if kind == "message":
+            item["content"] = [_text_part("")]
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=_text_part(""),
+                )
+            )
+        return events
+
+    def _close_item(self) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        item, index, kind = self._items[-1], len(self._items) - 1, self._open
+        self._open = None
+        events = []
+        if kind == "message":
+            text = item["content"][0]["text"]
+            events.append(
+                self._event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                )
+            )
+            events.append(
+                self._event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=item["content"][0],
+                )
+            )
+        elif kind == "reasoning":
+            events.append(
+                self._event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=item["content"][0]["text"],
+                )
+            )
+        else:
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                )
+            )
+        item["status"] = "completed"
+        events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+        return events
+
+
+def sse(event: dict[str, Any]) -> str:
+    """OpenAI's framing of a Responses event: its type as the SSE event name, the event as data."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
