@@ -37,6 +37,7 @@ from loraplex.platform.domain.embeddings.controllers import EmbeddingsController
 from loraplex.platform.domain.endpoints.controllers import EndpointController
 from loraplex.platform.domain.fleet.controllers import AdminEngineController
 from loraplex.platform.domain.messages.controllers import MessagesController
+from loraplex.platform.domain.responses.controllers import ResponsesController
 from loraplex.platform.domain.tenants.controllers import AdminTenantController, TenantSelfController
 from loraplex.platform.domain.usage.controllers import UsageController
 from loraplex.platform.errors import handle_exception
@@ -86,6 +87,7 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
             CompletionsController,
             EmbeddingsController,
             MessagesController,
+            ResponsesController,
         ],
         guards=[require_tenant],
         dependencies={"principal": Provide(provide_principal)},

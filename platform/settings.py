@@ -179,6 +179,13 @@ class Settings(BaseSettings):
         le=3600,
         description="How often usage that could not be written to the database is moved from the outbox into it.",
     )
+    responses_retention_days: float = Field(
+        default=30.0,
+        gt=0,
+        le=3650,
+        description="How long a stored response of the Responses API (store: true, the default) can be retrieved "
+        "and continued (previous_response_id); older ones are deleted.",
+    )
 
     engine_mode: Literal["embedded", "fleet", "off"] = Field(
         default="embedded",

@@ -1,5 +1,5 @@
 """The engine's faces: the offline `LLM`, the `AsyncEngine` thread, the OpenAI-compatible HTTP server (protocol,
-serving, the adapter name registry, the edge guards), the other wire protocols (protocols/: Anthropic's Messages),
+serving, the adapter name registry, the edge guards), the other wire protocols (protocols/: Responses, Messages),
 Prometheus metrics, fleet registration, and the `loraplex engine ...` commands.
 
 May import: engine.core and everything below it. Nothing in the engine imports engine.serve; the platform does,
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from loraplex.engine.serve.cli import configure_logging, engine
     from loraplex.engine.serve.http_edge import GuardedRequest, refuse_nul_bytes
     from loraplex.engine.serve.protocol import RESERVED_TEMPLATE_VARIABLES, completion_limit
-    from loraplex.engine.serve.protocols import messages
+    from loraplex.engine.serve.protocols import messages, responses
     from loraplex.engine.serve.registration import ENGINE_KEY, ENGINES_SET, FleetRecord, engine_record
     from loraplex.engine.serve.server import create_engine_app, serve
     from loraplex.engine.serve.tool_calls import NamedToolChoice, ToolDefinition
@@ -36,6 +36,7 @@ __all__ = [
     "engine_record",
     "messages",
     "refuse_nul_bytes",
+    "responses",
     "serve",
 ]
 
@@ -58,8 +59,11 @@ _WHERE = {
 }
 
 
-# Modules the platform uses whole: `messages`, the Messages API's converter (its routes' shapes and writing).
-_MODULES = {"messages": "loraplex.engine.serve.protocols.messages"}
+# Modules the platform uses whole: the Messages and Responses APIs' converters (their shapes and writing).
+_MODULES = {
+    "messages": "loraplex.engine.serve.protocols.messages",
+    "responses": "loraplex.engine.serve.protocols.responses",
+}
 
 
 def __getattr__(name: str) -> Any:

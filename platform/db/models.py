@@ -6,7 +6,19 @@ from loraplex.platform.domain.api_keys.models import AdminKey, ApiKey
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.billing.models import PriceVersion
 from loraplex.platform.domain.endpoints.models import Endpoint
+from loraplex.platform.domain.responses.models import StoredResponse
 from loraplex.platform.domain.tenants.models import Tenant
 from loraplex.platform.domain.usage.models import UsageRecord
 
-__all__ = ["Adapter", "AdminKey", "ApiKey", "Base", "BaseModel", "Endpoint", "PriceVersion", "Tenant", "UsageRecord"]
+__all__ = [
+    "Adapter",
+    "AdminKey",
+    "ApiKey",
+    "Base",
+    "BaseModel",
+    "Endpoint",
+    "PriceVersion",
+    "StoredResponse",
+    "Tenant",
+    "UsageRecord",
+]

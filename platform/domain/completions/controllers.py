@@ -82,8 +82,9 @@ class Framing:
     def headers(self, call: Call) -> dict[str, str]:
         return {}
 
-    def answer(self, answer: dict[str, Any]) -> dict[str, Any]:
-        """The whole answer, from the chat or completion assembled from the engine's stream."""
+    async def answer(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """The whole answer, from the chat or completion assembled from the engine's stream (a protocol that
+        stores its answers stores it here, before it is sent)."""
         return answer
 
     def chunk(self, event: dict[str, Any]) -> str:
@@ -94,7 +95,8 @@ class Framing:
         """The stream's text for a failure after it began."""
         return _sse({"error": {"message": error.message, "type": "server_error", "param": None, "code": error.code}})
 
-    def done(self) -> str:
+    async def done(self) -> str:
+        """The stream's end, once every chunk went out (a protocol that stores its answers stores it here)."""
         return SSE_DONE
 
 
@@ -202,7 +204,7 @@ async def _answer(
                 await record_usage(resources, call)
                 raise
             record_usage_soon(resources, call)
-            return Response(framing.answer(answer), headers=headers)
+            return Response(await framing.answer(answer), headers=headers)
     finally:
         # A stream is watched by Litestar's Stream from here on: this watcher must not take its messages.
         await unwatch(gone)
@@ -265,7 +267,7 @@ async def _stream(
             yield framing.error(engine_error(exc))
         await events.aclose()
         await lease.release()
-        yield framing.done()
+        yield await framing.done()
     finally:
         try:
             await events.aclose()

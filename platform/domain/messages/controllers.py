@@ -49,7 +49,7 @@ class AnthropicFraming(Framing):
     def headers(self, call: Call) -> dict[str, str]:
         return {"request-id": anthropic_request_id()}
 
-    def answer(self, answer: dict[str, Any]) -> dict[str, Any]:
+    async def answer(self, answer: dict[str, Any]) -> dict[str, Any]:
         return messages_api.message_of(
             answer, message_id=self.message_id, model=self.model, stop_sequences=self.stop_sequences
         )
@@ -68,7 +68,7 @@ class AnthropicFraming(Framing):
             "error", messages_api.error_body(error.status_code, error.message, overloaded=error.code == "overloaded")[1]
         )
 
-    def done(self) -> str:
+    async def done(self) -> str:
         return "" if self.failed else "".join(messages_api.sse(name, data) for name, data in self.events.end())
 
 

@@ -1,0 +1,212 @@
+"""HTTP for tenants' Responses API clients (Codex CLI, the Agents SDK): POST /v1/responses, and for stored responses
+GET /v1/responses/{id}, GET /v1/responses/{id}/input_items and DELETE /v1/responses/{id}. A response is the tenant's
+chat completion (the same resolution of `model`, limits, tiers, fair share, metering and billing) converted by the
+engine's Responses converter (engine/serve/protocols/responses.py) and written back as a response object and its
+typed events (`ResponsesFraming`); with `store` (the default) it is stored per tenant before it is answered, and a
+later `previous_response_id` continues its conversation (whose prefix the engine's cache holds: billed as cache
+hits). Another tenant's id reads as no response: 404."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from litestar import Controller, Response, delete, get, post
+from litestar import Request as HttpRequest
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
+from litestar.params import JSONBody, Parameter
+from pydantic import ValidationError
+
+from loraplex.engine import RequestError
+from loraplex.engine.serve import responses as responses_api
+from loraplex.platform.auth import TenantPrincipal
+from loraplex.platform.db.base import utcnow
+from loraplex.platform.dependencies import GENERATION_CHECKED_LATER, AppResources, Principal, config_basis
+from loraplex.platform.domain.completions.calls import MAX_BODY_BYTES, too_large
+from loraplex.platform.domain.completions.controllers import Framing, complete
+from loraplex.platform.domain.completions.schemas import ChatCompletionRequest
+from loraplex.platform.domain.completions.service import resolve
+from loraplex.platform.domain.responses.repository import ResponseRepository
+from loraplex.platform.domain.responses.service import history, input_items, stored
+from loraplex.platform.errors import ApiError, invalid_request
+from loraplex.platform.ids import TenantId
+from loraplex.platform.resources import Resources
+
+logger = logging.getLogger(__name__)
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+def _not_found(response_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"No response with id '{response_id}'.", code="not_found", param=param)
+
+
+class ResponsesFraming(Framing):
+    """A chat completion written as a response and its events, for one request; stored when `store`."""
+
+    running_usage = True
+
+    def __init__(
+        self,
+        resources: Resources,
+        tenant_id: TenantId,
+        body: responses_api.ResponsesRequest,
+        model: str,
+        items: list[dict[str, Any]],
+    ) -> None:
+        self.resources, self.tenant_id, self.body, self.model, self.items = resources, tenant_id, body, model, items
+        self.store = body.store is not False
+        self.response_id = responses_api.new_response_id()
+        self.events = responses_api.ResponseStream(body, response_id=self.response_id, model=model, store=self.store)
+        self.failed = False
+
+    def request_id(self, chat: bool) -> str:
+        return self.response_id  # the usage row's key is the response's id
+
+    async def answer(self, answer: dict[str, Any]) -> dict[str, Any]:
+        response = responses_api.response_of(
+            answer, self.body, response_id=self.response_id, model=self.model, store=self.store
+        )
+        await self._store(response)
+        return response
+
+    def chunk(self, event: dict[str, Any]) -> str:
+        if "error" in event:  # the engine failed the request after accepting it (service.engine_failure)
+            return self._failed(str(event["error"].get("message", "The engine failed.")), event["error"].get("code"))
+        return "".join(responses_api.sse(e) for e in self.events.feed(event))
+
+    def error(self, error: ApiError) -> str:
+        return self._failed(error.message, error.code)
+
+    def _failed(self, message: str, code: str | None) -> str:
+        self.failed = True
+        return responses_api.sse(self.events.failed(message, code))
+
+    async def done(self) -> str:
+        if self.failed:
+            return ""
+        text = "".join(responses_api.sse(e) for e in self.events.end())
+        assert self.events.response is not None
+        await self._store(self.events.response)
+        return text
+
+    async def _store(self, response: dict[str, Any]) -> None:
+        if not self.store:
+            return
+        now = utcnow()
+        row = stored(self.tenant_id, response, self.items, now, self.resources.settings.responses_retention_days)
+        try:
+            async with self.resources.sessions() as session:
+                await ResponseRepository(session).add(row, now)
+                await session.commit()
+        except Exception:  # the answer exists and is billed: it goes out, unstored, and the failure is logged
+            logger.exception("response %s could not be stored", self.response_id)
+
+
+def _chat_body(chat: dict[str, Any]) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(chat, strict=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        raise invalid_request(f"Invalid value for '{where}': {first.get('msg', 'invalid value')}") from None
+
+
+async def _history(
+    resources: Resources, principal: TenantPrincipal, body: responses_api.ResponsesRequest
+) -> list[dict[str, Any]]:
+    if body.previous_response_id is None:
+        return []
+    async with resources.sessions() as session:
+        chain = await ResponseRepository(session).chain(principal.tenant_id, body.previous_response_id, utcnow())
+    if chain is None:
+        raise _not_found(body.previous_response_id, "previous_response_id")
+    return history(chain)
+
+
+class ResponsesController(Controller):
+    path = "/"
+    tags = ["tenant: responses (OpenAI's Responses API)"]
+
+    @post(
+        "/responses",
+        status_code=200,
+        summary="Create a model response (OpenAI's Responses API)",
+        request_max_body_size=MAX_BODY_BYTES,
+        exception_handlers={RequestEntityTooLarge: too_large},
+        opt={GENERATION_CHECKED_LATER: True},
+    )
+    async def create(
+        self,
+        request: HttpRequest[Any, Any, Any],
+        data: JSONBody[responses_api.ResponsesRequest],
+        principal: Principal,
+        resources: AppResources,
+    ) -> Response[Any]:
+        if not data.model:
+            raise invalid_request("model: field required", param="model")
+        if data.background:
+            raise invalid_request(
+                "background responses are not supported yet: send the request without background", param="background"
+            )
+        if "reasoning.encrypted_content" in (data.include or []):
+            raise invalid_request(
+                "include reasoning.encrypted_content is not supported yet: store the response instead (store: true)",
+                param="include",
+            )
+        target = await resolve(resources, principal, data.model)
+        try:
+            chat = responses_api.to_chat(data, await _history(resources, principal, data))
+        except RequestError as exc:
+            raise invalid_request(str(exc), param=exc.param) from None
+        chat["model"] = data.model
+        if data.stream:
+            chat |= {"stream": True, "stream_options": {"include_usage": True}}
+        framing = ResponsesFraming(resources, principal.tenant_id, data, target.model, input_items(data))
+        return await complete(
+            request, resources, principal, _chat_body(chat), CHAT_PATH, config_basis(request), framing
+        )
+
+    @get("/responses/{response_id:str}", summary="A stored response")
+    async def retrieve(self, response_id: str, principal: Principal, resources: AppResources) -> dict[str, Any]:
+        async with resources.sessions() as session:
+            row = await ResponseRepository(session).get(principal.tenant_id, response_id, utcnow())
+        if row is None:
+            raise _not_found(response_id)
+        return row.response
+
+    @get("/responses/{response_id:str}/input_items", summary="A stored response's input items")
+    async def input_items(
+        self,
+        response_id: str,
+        principal: Principal,
+        resources: AppResources,
+        limit: int = Parameter(default=20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        async with resources.sessions() as session:
+            row = await ResponseRepository(session).get(principal.tenant_id, response_id, utcnow())
+        if row is None:
+            raise _not_found(response_id)
+        items = list(row.input_items) if order == "asc" else list(reversed(row.input_items))
+        if after is not None:
+            ids = [item["id"] for item in items]
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+
+    @delete("/responses/{response_id:str}", status_code=200, summary="Delete a stored response")
+    async def remove(self, response_id: str, principal: Principal, resources: AppResources) -> dict[str, Any]:
+        async with resources.sessions() as session:
+            deleted = await ResponseRepository(session).delete(principal.tenant_id, response_id, utcnow())
+            await session.commit()
+        if not deleted:
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}

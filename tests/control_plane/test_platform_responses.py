@@ -1,0 +1,182 @@
+"""OpenAI's Responses API through the platform (issue 36, point 1), driven by the `openai` SDK with a tenant's key
+against the platform on a real socket: real Postgres, Redis and S3, the embedded engine on a random Qwen3
+checkpoint in Qwen3's chat format. A response on an endpoint with the tenant's adapter is transformers + peft's
+greedy answer; it is stored (`store`, the default) and can be retrieved, listed by its input items, continued with
+`previous_response_id` (the second turn's prompt is the whole conversation, its prefix read from the cache) and
+deleted; another tenant's ids are 404 and never content; each response is one usage row keyed by its id."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from _support.adapters import make_peft_adapter
+from _support.checkpoints import make_checkpoint
+from _support.family_chat import write_family_tokenizer
+from _support.services import PostgresServer, RedisServer, S3Server
+from _support.waiting import wait_for
+
+from loraplex.engine.model.tokenizer import Tokenizer
+from loraplex.platform.app import create_app
+from loraplex.platform.resources import Resources
+from loraplex.platform.settings import Settings
+
+from .conftest import module_settings_sync
+from .test_completions import Platform, _serving, hf_greedy
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "Triage this ticket: the nightly export failed twice."
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    write_family_tokenizer(path, "qwen3")
+    return path
+
+
+@pytest.fixture(scope="module")
+def settings(
+    tmp_path_factory: pytest.TempPathFactory,
+    postgres_server: PostgresServer,
+    redis_server: RedisServer,
+    s3_server: S3Server,
+    session_tag: str,
+    qwen3: Path,
+) -> Iterator[Settings]:
+    with module_settings_sync(
+        tmp_path_factory.mktemp("data"),
+        postgres_server,
+        redis_server,
+        s3_server,
+        session_tag,
+        engine_mode="embedded",
+        engine_model=str(qwen3),
+        engine_dtype="float32",
+        engine_max_model_len=512,
+        engine_kv_budget="8MiB",
+    ) as value:
+        yield value
+
+
+@pytest.fixture(scope="module")
+def platform(settings: Settings, qwen3: Path) -> Iterator[Platform]:
+    app = create_app(settings)
+    with _serving(app) as url:
+        resources: Resources = app.state.resources
+        assert resources.embedded_engine is not None
+        yield Platform(url, app, resources.embedded_engine.core.served_model_name, Tokenizer.from_dir(qwen3))
+
+
+def test_a_stored_conversation_on_an_adapter_endpoint(platform: Platform, qwen3: Path, tmp_path: Path) -> None:
+    adapter_dir = make_peft_adapter(
+        qwen3, tmp_path / "adapter", seed=4, r=8, lora_alpha=64, target_modules="all-linear"
+    )
+    tenant = platform.make_tenant()
+    adapter = platform.upload_adapter(tenant, adapter_dir, "triage")
+    platform.make_endpoint(tenant, "triage-bot", platform.base_model, adapter["id"])
+    sdk = platform.client(tenant.key)
+    first = sdk.responses.create(model="triage-bot", input=QUESTION, max_output_tokens=8, temperature=0)
+    prompt_ids = platform.tokenizer.encode_chat([{"role": "user", "content": QUESTION}])
+    assert first.output_text == hf_greedy(qwen3, adapter_dir, prompt_ids, 8, platform.tokenizer)
+    assert first.model == "triage-bot" and first.store is True and first.usage is not None
+    assert first.usage.input_tokens == len(prompt_ids)
+    assert sdk.responses.retrieve(first.id).output_text == first.output_text
+    [item] = sdk.responses.input_items.list(first.id).data
+    assert item.type == "message" and item.content[0].text == QUESTION  # type: ignore[union-attr]
+    # The next turn continues the stored conversation: its prompt is all of it, its prefix read from the cache.
+    second = sdk.responses.create(
+        model="triage-bot",
+        input="And the billing one?",
+        previous_response_id=first.id,
+        max_output_tokens=4,
+        temperature=0,
+    )
+    conversation = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And the billing one?"},
+    ]
+    assert second.usage is not None and second.usage.input_tokens == len(platform.tokenizer.encode_chat(conversation))
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    assert second.previous_response_id == first.id
+    # Streamed and stored: what the stream ends with is what is stored.
+    with sdk.responses.stream(
+        model="triage-bot",
+        input=QUESTION,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=200,  # type: ignore[list-item]
+    ) as stream:
+        final = stream.get_final_response()
+    [call] = [o for o in final.output if o.type == "function_call"]
+    assert json.loads(call.arguments)["city"]
+    [kept] = [o for o in sdk.responses.retrieve(final.id).output if o.type == "function_call"]
+    assert (kept.call_id, kept.arguments) == (call.call_id, call.arguments)
+    rows = wait_for(lambda: found if len(found := platform.usage_rows(tenant)) >= 3 else None)
+    assert {row["request_id"] for row in rows} == {first.id, second.id, final.id}
+    sdk.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(first.id)
+
+
+def test_unstored_responses_and_other_tenants_ids_are_not_found(platform: Platform) -> None:
+    owner, other = platform.make_tenant(), platform.make_tenant()
+    mine, theirs = platform.client(owner.key), platform.client(other.key)
+    unstored = mine.responses.create(model=platform.base_model, input=QUESTION, max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        mine.responses.retrieve(unstored.id)
+    kept = mine.responses.create(model=platform.base_model, input=QUESTION, max_output_tokens=2)
+    missing = "resp_" + "0" * 24
+    for attempt in (
+        lambda: theirs.responses.retrieve(kept.id),
+        lambda: theirs.responses.input_items.list(kept.id),
+        lambda: theirs.responses.delete(kept.id),
+        lambda: theirs.responses.create(model=platform.base_model, input="hi", previous_response_id=kept.id),
+    ):
+        with pytest.raises(openai.NotFoundError) as caught:
+            attempt()
+        assert QUESTION not in str(caught.value.body)
+    # Exactly what an id that exists nowhere gets.
+    theirs_text = httpx.get(f"{platform.url}/v1/responses/{kept.id}", headers=other.headers).text
+    nobody_text = httpx.get(f"{platform.url}/v1/responses/{missing}", headers=other.headers).text
+    assert theirs_text == nobody_text.replace(missing, kept.id)
+    assert mine.responses.retrieve(kept.id).id == kept.id  # untouched
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"background": True}, "background"),
+        ({"include": ["reasoning.encrypted_content"], "store": False}, "include"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"model": "nobody"}, "model"),
+    ],
+)
+def test_refusals_are_openais_envelope(platform: Platform, fields: dict[str, Any], param: str) -> None:
+    tenant = platform.make_tenant()
+    body = {"model": platform.base_model, "input": QUESTION, "max_output_tokens": 2, **fields}
+    response = httpx.post(f"{platform.url}/v1/responses", json=body, headers=tenant.headers, timeout=60)
+    assert response.status_code in (400, 404), response.text
+    error = response.json()["error"]
+    assert error["message"] and error["param"] == param
+    assert platform.usage_rows(tenant) == []
