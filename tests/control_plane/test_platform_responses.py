@@ -21,6 +21,7 @@ from _support.family_chat import write_family_tokenizer
 from _support.services import PostgresServer, RedisServer, S3Server
 from _support.waiting import wait_for
 
+from loraplex.engine.core.reasoning_config import ReasoningConfig
 from loraplex.engine.model.tokenizer import Tokenizer
 from loraplex.platform.app import create_app
 from loraplex.platform.resources import Resources
@@ -166,7 +167,6 @@ def test_unstored_responses_and_other_tenants_ids_are_not_found(platform: Platfo
     ("fields", "param"),
     [
         ({"background": True}, "background"),
-        ({"include": ["reasoning.encrypted_content"], "store": False}, "include"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"model": "nobody"}, "model"),
@@ -180,3 +180,42 @@ def test_refusals_are_openais_envelope(platform: Platform, fields: dict[str, Any
     error = response.json()["error"]
     assert error["message"] and error["param"] == param
     assert platform.usage_rows(tenant) == []
+
+
+def test_sealed_reasoning_for_stateless_clients(platform: Platform) -> None:
+    """As Codex CLI runs: store false, reasoning asked back sealed; sent back it opens, altered or another tenant's
+    it is a 400. (The base model is made a reasoning model for this test, and plain again after it.)"""
+    path = f"/admin/base-models/{platform.base_model}"
+    thinking = ReasoningConfig(parser="qwen3", budgets={"low": 4}).to_dict()
+    response = platform.admin("PATCH", path, json={"reasoning_config": thinking})
+    assert response.status_code == 200, response.text
+    try:
+        owner, other = platform.make_tenant(), platform.make_tenant()
+        ask: dict[str, Any] = {"model": platform.base_model, "max_output_tokens": 30, "temperature": 0}
+        first = platform.client(owner.key).responses.create(
+            **ask, input=QUESTION, store=False, include=["reasoning.encrypted_content"], reasoning={"effort": "low"}
+        )
+        [reasoning] = [item for item in first.output if item.type == "reasoning"]
+        assert reasoning.encrypted_content and reasoning.encrypted_content.startswith("lpx1.")
+        assert QUESTION not in reasoning.encrypted_content and reasoning.content
+        assert reasoning.content[0].text not in reasoning.encrypted_content
+        turn: list[Any] = [
+            {"role": "user", "content": QUESTION},
+            reasoning.model_dump(exclude_none=True),
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And the billing one?"},
+        ]
+        again = platform.client(owner.key).responses.create(**ask, input=turn, store=False)
+        assert again.status in ("completed", "incomplete")
+        token = reasoning.encrypted_content
+        altered = token[:-4] + ("AAAA" if not token.endswith("AAAA") else "BBBB")
+        for client, sealed in ((platform.client(owner.key), altered), (platform.client(other.key), token)):
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.responses.create(**ask, input=[*turn[:1], {**turn[1], "encrypted_content": sealed}, *turn[2:]])
+            assert caught.value.body["code"] == "invalid_encrypted_content"  # type: ignore[index]
+            assert caught.value.body["param"] == "input[1].encrypted_content"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError):
+            platform.client(owner.key).responses.retrieve(first.id)  # store: false
+    finally:
+        response = platform.admin("PATCH", path, json={"reasoning_config": None})
+        assert response.status_code == 200, response.text

@@ -4,7 +4,8 @@ chat completion (the same resolution of `model`, limits, tiers, fair share, mete
 engine's Responses converter (engine/serve/protocols/responses.py) and written back as a response object and its
 typed events (`ResponsesFraming`); with `store` (the default) it is stored per tenant before it is answered, and a
 later `previous_response_id` continues its conversation (whose prefix the engine's cache holds: billed as cache
-hits). Another tenant's id reads as no response: 404."""
+hits). Stateless clients ask for their reasoning sealed instead (`include: ["reasoning.encrypted_content"]`,
+sealing.py), and what they send back must open. Another tenant's id reads as no response: 404."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from loraplex.platform.domain.completions.controllers import Framing, complete
 from loraplex.platform.domain.completions.schemas import ChatCompletionRequest
 from loraplex.platform.domain.completions.service import resolve
 from loraplex.platform.domain.responses.repository import ResponseRepository
+from loraplex.platform.domain.responses.sealing import InvalidSeal, ReasoningSeal
 from loraplex.platform.domain.responses.service import history, input_items, stored
 from loraplex.platform.errors import ApiError, invalid_request
 from loraplex.platform.ids import TenantId
@@ -35,6 +37,7 @@ from loraplex.platform.resources import Resources
 logger = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
+SEALED = "reasoning.encrypted_content"
 
 
 def _not_found(response_id: str, param: str | None = None) -> ApiError:
@@ -53,8 +56,10 @@ class ResponsesFraming(Framing):
         body: responses_api.ResponsesRequest,
         model: str,
         items: list[dict[str, Any]],
+        seal: ReasoningSeal | None = None,
     ) -> None:
         self.resources, self.tenant_id, self.body, self.model, self.items = resources, tenant_id, body, model, items
+        self.seal = seal  # include reasoning.encrypted_content: reasoning items carry their text sealed
         self.store = body.store is not False
         self.response_id = responses_api.new_response_id()
         self.events = responses_api.ResponseStream(body, response_id=self.response_id, model=model, store=self.store)
@@ -67,13 +72,16 @@ class ResponsesFraming(Framing):
         response = responses_api.response_of(
             answer, self.body, response_id=self.response_id, model=self.model, store=self.store
         )
+        self._sealed(response["output"])
         await self._store(response)
         return response
 
     def chunk(self, event: dict[str, Any]) -> str:
         if "error" in event:  # the engine failed the request after accepting it (service.engine_failure)
             return self._failed(str(event["error"].get("message", "The engine failed.")), event["error"].get("code"))
-        return "".join(responses_api.sse(e) for e in self.events.feed(event))
+        events = self.events.feed(event)
+        self._sealed([e["item"] for e in events if e["type"] == "response.output_item.done"])
+        return "".join(responses_api.sse(e) for e in events)
 
     def error(self, error: ApiError) -> str:
         return self._failed(error.message, error.code)
@@ -85,10 +93,21 @@ class ResponsesFraming(Framing):
     async def done(self) -> str:
         if self.failed:
             return ""
-        text = "".join(responses_api.sse(e) for e in self.events.end())
+        events = self.events.end()
         assert self.events.response is not None
+        self._sealed([e["item"] for e in events if e["type"] == "response.output_item.done"])
+        self._sealed(self.events.response["output"])
         await self._store(self.events.response)
-        return text
+        return "".join(responses_api.sse(e) for e in events)
+
+    def _sealed(self, items: list[dict[str, Any]]) -> None:
+        """Seal the think block of each reasoning item in `items`, when the client asked for it."""
+        if self.seal is None:
+            return
+        for item in items:
+            if item.get("type") == "reasoning" and "encrypted_content" not in item:
+                text = "".join(part.get("text", "") for part in item.get("content") or [])
+                item["encrypted_content"] = self.seal.seal(str(self.tenant_id), text)
 
     async def _store(self, response: dict[str, Any]) -> None:
         if not self.store:
@@ -101,6 +120,26 @@ class ResponsesFraming(Framing):
                 await session.commit()
         except Exception:  # the answer exists and is billed: it goes out, unstored, and the failure is logged
             logger.exception("response %s could not be stored", self.response_id)
+
+
+def _seal(resources: Resources) -> ReasoningSeal:
+    return ReasoningSeal(bytes.fromhex(resources.hasher.derive("responses-reasoning-seal", "v1")))
+
+
+def _open_sealed(seal: ReasoningSeal, tenant: str, body: responses_api.ResponsesRequest) -> None:
+    """Every sealed reasoning item the client sent back must open for this tenant: else a 400 naming it."""
+    for index, item in enumerate(body.input if isinstance(body.input, list) else []):
+        token = item.get("encrypted_content") if isinstance(item, dict) and item.get("type") == "reasoning" else None
+        if token is None:
+            continue
+        try:
+            seal.open(tenant, str(token))
+        except InvalidSeal as exc:
+            raise invalid_request(
+                f"input[{index}].encrypted_content does not open: {exc}",
+                param=f"input[{index}].encrypted_content",
+                code="invalid_encrypted_content",
+            ) from None
 
 
 def _chat_body(chat: dict[str, Any]) -> ChatCompletionRequest:
@@ -149,11 +188,8 @@ class ResponsesController(Controller):
             raise invalid_request(
                 "background responses are not supported yet: send the request without background", param="background"
             )
-        if "reasoning.encrypted_content" in (data.include or []):
-            raise invalid_request(
-                "include reasoning.encrypted_content is not supported yet: store the response instead (store: true)",
-                param="include",
-            )
+        seal = _seal(resources)
+        _open_sealed(seal, str(principal.tenant_id), data)
         target = await resolve(resources, principal, data.model)
         try:
             chat = responses_api.to_chat(data, await _history(resources, principal, data))
@@ -162,7 +198,8 @@ class ResponsesController(Controller):
         chat["model"] = data.model
         if data.stream:
             chat |= {"stream": True, "stream_options": {"include_usage": True}}
-        framing = ResponsesFraming(resources, principal.tenant_id, data, target.model, input_items(data))
+        sealing = seal if SEALED in (data.include or []) else None
+        framing = ResponsesFraming(resources, principal.tenant_id, data, target.model, input_items(data), sealing)
         return await complete(
             request, resources, principal, _chat_body(chat), CHAT_PATH, config_basis(request), framing
         )
