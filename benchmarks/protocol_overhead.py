@@ -1,11 +1,13 @@
 """What each agent protocol adds on the engine server over chat completions of the same request (issue 36).
 
-A `loraplex engine serve` of the demo model answers the same conversation as a chat completion and as Anthropic's
-message (POST /v1/messages, which the server converts into that chat and back), greedy and with the same token
-limit, so both run the same tokens through the engine and differ by the protocol's conversion and writing alone.
-One keep-alive client alternates the two, --requests of each, in two modes: `whole` (non-streamed, one token: where
+A `loraplex engine serve` of the demo model answers the same conversation as a chat completion, as OpenAI's
+response (POST /v1/responses) and as Anthropic's message (POST /v1/messages), each of which the server converts into
+that chat and back, greedy and with the same token limit, so all run the same tokens through the engine and differ
+by the protocol's conversion and writing alone. One keep-alive client takes them in turn, --requests of each, in two
+modes: `whole` (non-streamed, one token: where
 the protocol's share of a request is largest) and `streamed` (STREAM_TOKENS tokens, read to the end of the stream).
-Reported: p50 / p90 latency of each and the p50 difference.
+Reported: p50 / p90 latency of each, and what each protocol adds: the median over rounds of its latency less chat's
+in the same round.
 
     .venv/bin/python benchmarks/protocol_overhead.py [--requests 200]
 
@@ -37,10 +39,16 @@ WARMUP = 5
 def _requests(tokens: int, stream: bool) -> dict[str, tuple[str, dict[str, Any]]]:
     chat: dict[str, Any] = {"model": NAME, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0}
     message: dict[str, Any] = {"model": NAME, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0}
+    response: dict[str, Any] = {"model": NAME, "input": MESSAGES, "max_output_tokens": tokens, "temperature": 0}
     if stream:
         chat |= {"stream": True, "stream_options": {"include_usage": True}}
         message |= {"stream": True}
-    return {"chat": ("/v1/chat/completions", chat), "messages": ("/v1/messages", message)}
+        response |= {"stream": True}
+    return {
+        "chat": ("/v1/chat/completions", chat),
+        "responses": ("/v1/responses", response),
+        "messages": ("/v1/messages", message),
+    }
 
 
 def _timed(client: httpx.Client, path: str, body: dict[str, Any]) -> float:
@@ -63,14 +71,22 @@ def _summary(times: list[float]) -> dict[str, float]:
 def measure(client: httpx.Client, requests: int, tokens: int, stream: bool) -> dict[str, Any]:
     paths = _requests(tokens, stream)
     times: dict[str, list[float]] = {name: [] for name in paths}
+    order = list(paths.items())
     for index in range(WARMUP + requests):
-        for name, (path, body) in paths.items() if index % 2 else reversed(paths.items()):
+        rotated = order[index % len(order) :] + order[: index % len(order)]  # each protocol first in turn
+        for name, (path, body) in rotated:
             elapsed = _timed(client, path, body)
             if index >= WARMUP:
                 times[name].append(elapsed)
     figures: dict[str, Any] = {name: _summary(values) for name, values in times.items()}
     figures["tokens"] = tokens
-    figures["added_p50_ms"] = figures["messages"]["p50_ms"] - figures["chat"]["p50_ms"]
+    # Paired: each round sends every protocol once, so the median of the rounds' differences cancels the drift of a
+    # shared machine that the difference of two medians keeps.
+    figures["added_p50_ms"] = {
+        name: statistics.median(p - c for p, c in zip(times[name], times["chat"], strict=True))
+        for name in paths
+        if name != "chat"
+    }
     return figures
 
 
@@ -86,10 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     ):
         for mode, (tokens, stream) in {"whole": (1, False), "streamed": (STREAM_TOKENS, True)}.items():
             modes[mode] = figures = measure(client, args.requests, tokens, stream)
-            print(
-                f"{mode}: chat {figures['chat']['p50_ms']:.2f} ms, messages {figures['messages']['p50_ms']:.2f} ms"
-                f" p50: {figures['added_p50_ms']:+.3f} ms"
-            )
+            added = ", ".join(f"{name} {value:+.3f} ms" for name, value in figures["added_p50_ms"].items())
+            print(f"{mode}: chat {figures['chat']['p50_ms']:.2f} ms p50; added: {added}")
     document = {"machine": machine(os.cpu_count() or 1), "requests": args.requests, "modes": modes}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(document, indent=2) + "\n")

@@ -291,14 +291,15 @@ def _kv_transfer_rows(doc: dict[str, Any]) -> list[Row]:
 def _protocol_rows(doc: dict[str, Any]) -> list[Row]:
     rows = []
     for mode, figures in doc["modes"].items():
-        rows.append(
-            Row(
-                f"latency the Messages API adds over chat completions, p50 (engine server,"
-                f" {report_protocols.mode_words(mode, figures)})",
-                f"**{report_protocols.added(figures['added_p50_ms'])}**",
-                f"{ms(figures['messages']['p50_ms'])} against {ms(figures['chat']['p50_ms'])}",
+        for protocol, value in figures["added_p50_ms"].items():
+            rows.append(
+                Row(
+                    f"latency the {protocol.capitalize()} API adds over chat completions, p50 (engine server,"
+                    f" {report_protocols.mode_words(mode, figures)})",
+                    f"**{report_protocols.added(value)}**",
+                    f"{ms(figures[protocol]['p50_ms'])} against {ms(figures['chat']['p50_ms'])}",
+                )
             )
-        )
     return rows
 
 

@@ -406,15 +406,16 @@ def message_of(answer: dict[str, Any], *, message_id: str, model: str, stop_sequ
 
 
 class MessageStream:
-    """The Messages API's stream events of a chat stream: `feed` each chat chunk (a dict, with its running usage),
-    then `end`; each returns the events it makes, as (event name, data)."""
+    """The Messages API's stream events of a chat stream: `feed` each chat chunk (a dict; its usage, running or at
+    the end, is taken when it has one), then `end`; each returns the events it makes, as (event name, data)."""
 
-    def __init__(self, *, message_id: str, model: str, stop_sequences: list[str]) -> None:
+    def __init__(self, *, message_id: str, model: str, stop_sequences: list[str], prompt_tokens: int = 0) -> None:
+        """`prompt_tokens`: the prompt's size, for message_start when the chunks carry no running usage."""
         self._id, self._model, self._stop_sequences = message_id, model, stop_sequences
         self._started = False
         self._open: str | None = None  # the type of the block being streamed
         self._index = -1
-        self._usage: dict[str, Any] | None = None
+        self._usage: dict[str, Any] | None = {"prompt_tokens": prompt_tokens} if prompt_tokens else None
         self._choice: dict[str, Any] = {}
 
     def feed(self, chunk: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

@@ -50,7 +50,8 @@ def _chat(body: ResponsesRequest) -> ChatCompletionRequest:
         logger.info("responses: ignoring fields %s", ", ".join(body.unknown_fields))
     chat = to_chat(body)
     if body.stream:
-        chat |= {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        # The usage once, at the end (all the response object needs): a running usage costs ~50 us a chunk.
+        chat |= {"stream": True, "stream_options": {"include_usage": True}}
     return ChatCompletionRequest.model_validate(chat)
 
 
@@ -59,11 +60,9 @@ async def _events(
 ) -> AsyncGenerator[str, None]:
     try:
         async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                for event in events.feed(chunk.model_dump(exclude_none=True)):
-                    yield sse(event)
-        for event in events.end():
-            yield sse(event)
+            async for chunk in chunks:  # one write per chunk, whatever events it makes (a write costs more)
+                yield "".join(sse(event) for event in events.feed(chunk.model_dump(exclude_none=True)))
+        yield "".join(sse(event) for event in events.end())
     except Exception as exc:  # the response has begun: the error can only be told in the stream
         if not isinstance(exc, EngineError | ApiError):
             logger.exception("%s: the stream failed", job.response_id)
