@@ -421,10 +421,12 @@ class ChatCompletionRequest(_SamplingFields):
         return None
 
     def _format_grammar(self) -> list[StructuredOutputsParams]:
-        """`response_format` as a grammar: OpenAI's json_object and json_schema; and the calls tool_choice forces."""
+        """`response_format` as a grammar: OpenAI's json_object and json_schema; or the calls tool_choice forces,
+        which leave this turn no message for a response format to shape (as OpenAI's: an agent that calls a tool
+        first and answers in its format afterwards sends both on every turn)."""
         tools = self.tool_grammar()
         if tools is not None:
-            return [tools, *self._response_format_grammar()]
+            return [tools]
         return self._response_format_grammar()
 
     def _response_format_grammar(self) -> list[StructuredOutputsParams]:

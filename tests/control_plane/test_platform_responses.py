@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -219,3 +219,45 @@ def test_sealed_reasoning_for_stateless_clients(platform: Platform) -> None:
     finally:
         response = platform.admin("PATCH", path, json={"reasoning_config": None})
         assert response.status_code == 200, response.text
+
+
+def test_an_agents_sdk_tool_loop(platform: Platform) -> None:
+    """The OpenAI Agents SDK's Runner on the platform's Responses API: the first turn must call the tool (tool_choice
+    required; constrained decoding makes the random model write a valid call), the SDK runs it and sends its output
+    back as a function_call_output item, and (tool_choice reset to auto, as the SDK does) the model answers in its
+    output type (text.format json_schema: the grammar also ends the random model's answer)."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from pydantic import BaseModel
+
+    class Triage(BaseModel):
+        urgent: Literal["yes", "no"]
+
+    set_tracing_disabled(True)  # no traces sent to OpenAI
+    tenant = platform.make_tenant()
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}"
+
+    model = OpenAIResponsesModel(
+        model=platform.base_model,
+        openai_client=openai.AsyncOpenAI(base_url=f"{platform.url}/v1", api_key=tenant.key, max_retries=0),
+    )
+    agent = Agent(
+        name="triage",
+        instructions="Answer briefly.",
+        model=model,
+        tools=[get_weather],
+        output_type=Triage,
+        model_settings=ModelSettings(tool_choice="required", max_tokens=120, temperature=0),
+    )
+    result = Runner.run_sync(agent, QUESTION, max_turns=4)
+    assert len(calls) == 1 and calls[0]
+    assert isinstance(result.final_output, Triage)
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+    rows = wait_for(lambda: found if len(found := platform.usage_rows(tenant)) >= 2 else None)
+    assert all(row["request_id"].startswith("resp_") for row in rows)

@@ -227,7 +227,6 @@ def test_tools_and_calls_reach_the_template(tmp_path: Path) -> None:
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, None),
         ({"messages": [{"role": "tool", "content": "x"}]}, None),  # no tool_call_id
         (
             {
@@ -256,6 +255,23 @@ def test_malformed_tool_requests_are_400(url: str, extra: dict[str, Any], param:
     assert response.status_code == 400, response.text
     if param is not None:
         assert response.json()["error"]["param"] == param
+
+
+def test_a_turn_that_must_call_a_tool_leaves_the_response_format_for_later(url: str) -> None:
+    """tool_choice required with a response_format (an agent sends both on every turn, as the Agents SDK does with an
+    output type): this turn's output is calls, which no response format shapes, as OpenAI's API answers."""
+    chat = client(url).chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        response_format={"type": "json_object"},
+        max_tokens=120,
+    )
+    assert chat.choices[0].finish_reason == "tool_calls"
+    [call] = chat.choices[0].message.tool_calls or []
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])  # type: ignore[union-attr]
 
 
 def test_the_parser_follows_the_template() -> None:
