@@ -11,8 +11,9 @@ Mapping, both ways:
   (`image`, `document`, server tools' results) is a 400 naming its type; so is a last assistant turn (prefill),
   which chat templates cannot continue.
 - `tools` are functions (`input_schema` their parameters); `tool_choice` auto/any/tool/none is chat's
-  auto/required/named/none, `disable_parallel_tool_use` its `parallel_tool_calls: false`. A server tool (a `type`
-  other than `custom`) is a 400.
+  auto/required/named/none, `disable_parallel_tool_use` its `parallel_tool_calls: false`. Server tools (a `type`
+  other than `custom`: web search, code execution) are left out of what the model is told, as the Responses
+  API's built-in tools are (decision 0048).
 - `thinking` `enabled` sets the thinking-token budget to `budget_tokens` (which must be below `max_tokens`, as
   Anthropic's API requires), `disabled` a budget of 0 (and `enable_thinking: false` for the template),
   `adaptive` leaves the tier's; `output_config.effort` is the tier (`xhigh` and `max` are the engine's `high`:
@@ -210,8 +211,9 @@ def to_chat(body: CountTokensRequest, *, reasoning_model: bool) -> dict[str, Any
     chat: dict[str, Any] = {"messages": _chat_messages(body)}
     if body.model is not None:
         chat["model"] = body.model
-    if body.tools:
-        chat["tools"] = [_function(tool, index) for index, tool in enumerate(body.tools)]
+    tools = [tool for tool in body.tools or () if tool.type in (None, "custom")]  # server tools: left out
+    if tools:
+        chat["tools"] = [_function(tool) for tool in tools]
     _tool_choice(body, chat)
     _thinking(body, chat, reasoning_model)
     config = body.output_config
@@ -288,12 +290,7 @@ def _assistant_turn(blocks: list[Any], where: str) -> dict[str, Any]:
     return turn
 
 
-def _function(tool: Tool, index: int) -> dict[str, Any]:
-    if tool.type not in (None, "custom"):
-        raise RequestError(
-            f"tool '{tool.name}' is a server tool ({tool.type}); this server runs only your own tools (input_schema)",
-            param=f"tools[{index}].type",
-        )
+def _function(tool: Tool) -> dict[str, Any]:
     function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema or {"type": "object"}}
     if tool.description is not None:
         function["description"] = tool.description

@@ -9,9 +9,11 @@ Mapping, both ways:
   items (tool messages answering their `call_id`), and `reasoning` items passed back (accepted, left out of the
   prompt as chat templates leave earlier reasoning out). Images, files, item references and built-in tools' items
   are a 400 naming their type.
-- `tools` of type `function` are chat's functions (`strict` is honoured: `required`/named calls are held to their
-  schemas by the structured-output engine, as chat's are); other tool types (web search, file search, computer
-  use...) are a 400. `tool_choice` and `parallel_tool_calls` go across; `text.format` is chat's `response_format`;
+- `tools` of type `function`, and those inside a `namespace` (whose calls then name it), are chat's functions
+  (`strict` is honoured: `required`/named calls are held to their schemas by the structured-output engine, as
+  chat's are). Built-in tools the engine does not run (web search, file search, computer use, shells, MCP, custom
+  grammars) are left out of what the model is told, not refused: agent clients send them on every request
+  (decision 0048). `tool_choice` and `parallel_tool_calls` go across; `text.format` is chat's `response_format`;
   `reasoning.effort` the reasoning tier (the thinking budget); `max_output_tokens`, `temperature`, `top_p`,
   `top_logprobs` (logprobs of the output text), `user` as chat's.
 - Output items: a `reasoning` item with the think block as `reasoning_text` content, a `message` with one
@@ -136,7 +138,7 @@ def to_chat(body: ResponsesRequest, history: Sequence[dict[str, Any]] = ()) -> d
     if body.model is not None:
         chat["model"] = body.model
     if body.tools:
-        chat["tools"] = [_function(tool, index) for index, tool in enumerate(body.tools)]
+        chat["tools"] = functions(body)
     if body.tool_choice is not None:
         choice = body.tool_choice
         chat["tool_choice"] = (
@@ -232,20 +234,45 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
     messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
 
 
-def _function(tool: FunctionTool, index: int) -> dict[str, Any]:
-    if tool.type != "function":
-        raise RequestError(
-            f"tools of type '{tool.type}' are not supported by this server: it runs function tools only",
-            param=f"tools[{index}].type",
-        )
-    if not tool.name:
-        raise RequestError("a function tool needs its name", param=f"tools[{index}].name")
-    function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters or {"type": "object"}}
-    if tool.description is not None:
-        function["description"] = tool.description
-    if tool.strict is not None:
-        function["strict"] = tool.strict
+def _function(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError("a function tool needs its name", param=f"{where}.name")
+    parameters = tool.get("parameters")
+    function: dict[str, Any] = {
+        "name": name,
+        "parameters": parameters if parameters is not None else {"type": "object"},
+    }
+    for key in ("description", "strict"):
+        if tool.get(key) is not None:
+            function[key] = tool[key]
     return {"type": "function", "function": function}
+
+
+def _tool_tree(body: ResponsesRequest) -> list[tuple[str | None, dict[str, Any], str]]:
+    """Every function tool of the request as (its namespace or None, the tool, where it is), namespaces' tools
+    included; the built-in tools the engine does not run (web search, file search, computer use, code interpreter,
+    image generation, shells, MCP servers, custom grammars) are left out: the model is not told of them."""
+    found: list[tuple[str | None, dict[str, Any], str]] = []
+    for index, tool in enumerate(body.tools or ()):
+        raw = tool.model_dump(exclude_none=True)
+        if tool.type == "function":
+            found.append((None, raw, f"tools[{index}]"))
+        elif tool.type == "namespace":
+            for inner_index, inner in enumerate(raw.get("tools") or []):
+                if isinstance(inner, dict) and inner.get("type") == "function":
+                    found.append((tool.name, inner, f"tools[{index}].tools[{inner_index}]"))
+    return found
+
+
+def functions(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's function tools as chat's (namespaces' tools by their own names)."""
+    return [_function(tool, where) for _, tool, where in _tool_tree(body)]
+
+
+def namespaces(body: ResponsesRequest) -> dict[str, str]:
+    """The namespace of each namespaced function, by the function's name: its calls say it."""
+    return {str(tool["name"]): namespace for namespace, tool, _ in _tool_tree(body) if namespace is not None}
 
 
 # --- answer ------------------------------------------------------------------------------------------------------
@@ -279,8 +306,10 @@ def _message_item(item_id: str, text: str | None, status: str = "completed", log
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {
+def _call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str = "completed", namespace: str | None = None
+) -> dict[str, Any]:
+    item = {
         "id": item_id,
         "type": "function_call",
         "call_id": call_id,
@@ -288,6 +317,9 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
         "arguments": arguments,
         "status": status,
     }
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 def _logprobs(choice_logprobs: Any) -> list[dict[str, Any]]:
@@ -364,9 +396,13 @@ def response_of(
         output.append(
             _message_item(_item_id("msg"), message.get("content") or "", logprobs=_logprobs(choice.get("logprobs")))
         )
+    spaces = namespaces(body)
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
-        output.append(_call_item(_item_id("fc"), call["id"], function.get("name", ""), function.get("arguments", "")))
+        name = function.get("name", "")
+        output.append(
+            _call_item(_item_id("fc"), call["id"], name, function.get("arguments", ""), namespace=spaces.get(name))
+        )
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
     return envelope(
         body,
@@ -507,7 +543,11 @@ class ResponseStream:
         elif kind == "message":
             item = _message_item(_item_id("msg"), None, status="in_progress")
         else:
-            item = _call_item(_item_id("fc"), fields["call_id"], fields["name"], "", status="in_progress")
+            name = fields["name"]
+            spaces = namespaces(self._body)
+            item = _call_item(
+                _item_id("fc"), fields["call_id"], name, "", status="in_progress", namespace=spaces.get(name)
+            )
         self._items.append(item)
         self._open = kind
         index = len(self._items) - 1

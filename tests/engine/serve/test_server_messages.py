@@ -233,11 +233,6 @@ def test_models_list_in_anthropics_shape(servers: dict[str, str]) -> None:
             "invalid_request_error",
         ),
         (
-            {"max_tokens": 5, "messages": USER, "tools": [{"type": "web_search_20250305", "name": "web"}]},
-            400,
-            "invalid_request_error",
-        ),
-        (
             {"max_tokens": 5, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 4}},
             400,
             "invalid_request_error",

@@ -170,6 +170,26 @@ def test_function_calls_round_trip_as_items(servers: dict[str, str]) -> None:
     assert "response.function_call_arguments.done" in [e.type for e in events]
 
 
+def test_namespaced_tools_and_built_in_ones_as_codex_sends_them(servers: dict[str, str]) -> None:
+    """Codex CLI groups tools in namespaces and lists built-in ones (web search) the engine does not run: the
+    namespace's functions are the model's, a call of one names its namespace, and the built-in tool is left out
+    (echoed in the response's tools, never called)."""
+    inner = {key: value for key, value in WEATHER.items() if key != "strict"}
+    tools: list[Any] = [{"type": "namespace", "name": "weather_v1", "description": "Weather.", "tools": [inner]}]
+    tools.append({"type": "web_search"})
+    response = client(servers["plain"]).responses.create(
+        model=MODEL,
+        input=QUESTION,
+        tools=tools,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=200,
+    )
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.namespace == "weather_v1"
+    assert json.loads(call.arguments)["city"]
+    assert [tool.type for tool in response.tools] == ["namespace", "web_search"]
+
+
 def test_reasoning_items_hold_the_efforts_think_block(servers: dict[str, str]) -> None:
     sdk = client(servers["url"])
     ask: dict[str, Any] = {"model": MODEL, "input": QUESTION, "max_output_tokens": 40, "temperature": 0}
@@ -211,7 +231,6 @@ def test_text_format_and_the_parse_helper(servers: dict[str, str]) -> None:
         ({"background": True}, "background"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": ""}, None),
     ],
 )
