@@ -3,7 +3,8 @@ its conversion into a chat request (engine/serve/protocol.py's fields, as a dict
 chunks (dicts, as the engine's server and the platform both have them) back into Anthropic's message and events.
 
 Mapping, both ways:
-- `system` (a string or text blocks) is the system message; a user turn's `text` blocks are its text parts and each
+- `system` (a string or text blocks) is the system message, and so is a message of role `system` (instructions
+  mid-conversation, as Claude Code sends them); a user turn's `text` blocks are its text parts and each
   `tool_result` block a `tool` message answering its `tool_use_id` (an error's text prefixed "Error: "); an
   assistant turn's `text` is its content and its `tool_use` blocks its tool calls. `thinking` and
   `redacted_thinking` blocks passed back are accepted and left out of the prompt (chat templates drop earlier
@@ -120,7 +121,7 @@ def _check_types(blocks: list[Any], allowed: tuple[str, ...]) -> None:
 
 
 class InputMessage(BaseModel):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: mid-conversation instructions, as Claude Code sends them
     content: str | list[Block]
 
     @field_validator("content", mode="before")
@@ -243,6 +244,8 @@ def _chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
         where = f"messages[{index}].content"
         if message.role == "user":
             messages.extend(_user_turn(message.blocks(), where))
+        elif message.role == "system":
+            messages.append({"role": "system", "content": _system_text(message.blocks(), where)})
         else:
             messages.append(_assistant_turn(message.blocks(), where))
     if body.messages[-1].role == "assistant":
@@ -252,6 +255,12 @@ def _chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             param="messages",
         )
     return messages
+
+
+def _system_text(blocks: list[Any], where: str) -> str:
+    if not all(isinstance(block, TextBlock) for block in blocks):
+        raise RequestError("a system message holds text blocks only", param=where)
+    return "".join(block.text for block in blocks)
 
 
 def _user_turn(blocks: list[Any], where: str) -> list[dict[str, Any]]:
