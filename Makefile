@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU machines get the CPU build of torch first; otherwise pip would pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: dev test lint fmt venv clean chromium native bench bench-gpu
+.PHONY: dev test lint fmt venv clean chromium native bench bench-gpu agents-smoke
 
 venv: $(STAMP)
 
@@ -68,6 +68,11 @@ bench: $(STAMP) native
 	$(BIN)/python benchmarks/protocol_overhead.py
 	$(BIN)/python benchmarks/suite.py
 	$(BIN)/python benchmarks/report.py
+
+# Opt-in: the real agent CLIs (Codex CLI, Claude Code, from npm) one turn each against `loraplex dev`.
+agents-smoke: $(STAMP)
+	npm install --no-audit --no-fund --prefix build/agents @openai/codex @anthropic-ai/claude-code
+	LPX_AGENTS_SMOKE=1 $(BIN)/python -m pytest tests/test_agents_smoke.py -q -p no:cacheprovider
 
 # The GPU variant (a larger model, --device cuda, the Triton kernels): run on a machine with a CUDA GPU.
 bench-gpu: $(STAMP)
