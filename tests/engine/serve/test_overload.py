@@ -116,6 +116,15 @@ def test_a_full_queue_refuses_with_503_and_retry_after(server: tuple[str, AsyncE
                 assert 'loraplex_engine_fairness_requests_running{fairness_key="holder",priority="0"} 1.0' in metrics
                 assert 'loraplex_engine_fairness_service{fairness_key="holder"}' in metrics
                 assert 'loraplex_engine_fairness_served_tokens_total{fairness_key="holder"}' in metrics
+                # The agent protocols refuse in their own shapes: Anthropic's 529 overloaded_error, OpenAI's 503.
+                hi = [{"role": "user", "content": "hi"}]
+                message = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": hi})
+                assert message.status_code == 529 and message.headers["retry-after"]
+                assert message.json()["error"]["type"] == "overloaded_error"
+                response = httpx.post(
+                    f"{url}/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2}
+                )
+                assert _overloaded(response)["message"]
     # Every request ended (the held ones aborted as their clients left): the pool has nothing left allocated.
     _wait_for(lambda: not core.requests and engine.state().num_waiting == engine.state().num_running == 0)
     usage = core.pool.usage()
