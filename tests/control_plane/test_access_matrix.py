@@ -36,6 +36,7 @@ from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.engine.model.config import ModelConfig
 from loraplex.platform.app import create_app
 from loraplex.platform.db.engine import create_engine, create_session_factory
+from loraplex.platform.domain.responses.models import StoredResponse
 from loraplex.platform.domain.usage.recorder import UsageEvent
 from loraplex.platform.domain.usage.repository import UsageRepository
 from loraplex.platform.ids import TenantId
@@ -121,6 +122,7 @@ class Tenant:
     endpoint_id: str
     endpoint_name: str
     request_id: str  # a usage row
+    response_id: str  # a stored response of the Responses API
     key_ids: frozenset[str] = field(default_factory=frozenset)  # every key the tenant has at the start
 
     @property
@@ -195,6 +197,28 @@ async def add_usage(sessions: async_sessionmaker[AsyncSession], tenant_id: str, 
     return request_id
 
 
+async def add_response(sessions: async_sessionmaker[AsyncSession], tenant_id: str) -> str:
+    """A stored response of the tenant's (this app runs no engine to make one), as the Responses API stores it."""
+    response_id = f"resp_{secrets.token_hex(12)}"
+    now = datetime.now(UTC)
+    item = {"id": f"msg_{secrets.token_hex(12)}", "type": "message", "role": "user", "status": "completed"}
+    item["content"] = [{"type": "input_text", "text": f"the secret of {tenant_id}"}]
+    body = {"id": response_id, "object": "response", "created_at": int(now.timestamp()), "model": BASE, "output": []}
+    async with sessions() as session:
+        session.add(
+            StoredResponse(
+                id=response_id,
+                tenant_id=uuid.UUID(tenant_id),
+                input_items=[item],
+                response=body,
+                created_at=now,
+                expires_at=now + timedelta(days=1),
+            )
+        )
+        await session.commit()
+    return response_id
+
+
 async def make_tenant(
     api: Client, sessions: async_sessionmaker[AsyncSession], files: tuple[bytes, bytes], label: str
 ) -> Tenant:
@@ -205,6 +229,7 @@ async def make_tenant(
     endpoint_name = f"{label}-bot"
     endpoint_id = await new_endpoint(api, bearer(key), endpoint_name, adapter_id)
     request_id = await add_usage(sessions, tenant_id, key_id)
+    response_id = await add_response(sessions, tenant_id)
     return Tenant(
         tenant_id,
         key,
@@ -215,6 +240,7 @@ async def make_tenant(
         endpoint_id,
         endpoint_name,
         request_id,
+        response_id,
         frozenset({key_id, spare_key_id}),
     )
 
@@ -304,22 +330,31 @@ TENANT_ROUTES = {
         IdRoute("GET", "/v1/endpoints/{id}", "endpoint"),
         IdRoute("DELETE", "/v1/endpoints/{id}", "endpoint"),
         IdRoute("DELETE", "/v1/api-keys/{id}", "api_key"),
+        IdRoute("GET", "/v1/responses/{id}", "response"),
+        IdRoute("DELETE", "/v1/responses/{id}", "response"),
     )
 }
 
 
 def shared_target(kind: str, tenant: Tenant) -> str:
-    return {"adapter": tenant.adapter_id, "endpoint": tenant.endpoint_id, "api_key": tenant.spare_key_id}[kind]
+    targets = {"adapter": tenant.adapter_id, "endpoint": tenant.endpoint_id, "api_key": tenant.spare_key_id}
+    return (targets | {"response": tenant.response_id})[kind]
 
 
 def missing_id(kind: str) -> str:
     if kind == "api_key":  # key ids are 16 lowercase letters and digits
         return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(16))
+    if kind == "response":
+        return f"resp_{secrets.token_hex(12)}"
     return str(uuid.uuid4())
 
 
-async def fresh_target(api: Client, world: World, kind: str, files: tuple[bytes, bytes]) -> str:
+async def fresh_target(
+    api: Client, sessions: async_sessionmaker[AsyncSession], world: World, kind: str, files: tuple[bytes, bytes]
+) -> str:
     """An object of the owner's made for one cell, so that deleting it leaves the shared ones alone."""
+    if kind == "response":
+        return await add_response(sessions, world.owner.id)
     if kind == "adapter":
         return await new_adapter(api, world.owner.headers, files)
     if kind == "endpoint":
@@ -345,6 +380,10 @@ async def assert_untouched(api: Client, resources: Resources, world: World, kind
         response = await api.get(f"/v1/endpoints/{target}", headers=owner.headers)
         assert response.status_code == 200, response.text
         assert (response.json()["name"], response.json()["adapter_id"]) == (owner.endpoint_name, owner.adapter_id)
+    elif kind == "response":
+        response = await api.get(f"/v1/responses/{target}/input_items", headers=owner.headers)
+        assert response.status_code == 200, response.text
+        assert response.json()["data"][0]["content"][0]["text"] == f"the secret of {owner.id}"
     else:
         keys = (await api.get("/v1/api-keys?limit=100", headers=owner.headers)).json()["data"]
         assert [k["revoked_at"] for k in keys if k["id"] == target] == [None]
@@ -369,6 +408,7 @@ async def assert_gone(api: Client, resources: Resources, world: World, kind: str
 async def test_tenant_id_route(
     api: Client,
     resources: Resources,
+    sessions: async_sessionmaker[AsyncSession],
     world: World,
     adapter_files: tuple[bytes, bytes],
     route: str,
@@ -378,7 +418,7 @@ async def test_tenant_id_route(
     headers = credential_headers(credential, world)
     if credential == "owner":
         target = (
-            await fresh_target(api, world, spec.kind, adapter_files)
+            await fresh_target(api, sessions, world, spec.kind, adapter_files)
             if spec.changes_something
             else shared_target(spec.kind, world.owner)
         )
@@ -393,6 +433,7 @@ async def test_tenant_id_route(
     response = await api.request(spec.method, spec.path.format(id=target), headers=headers)
     if credential == "other-tenant":
         assert_openai_error(response, 404, "not_found")
+        assert f"the secret of {world.owner.id}" not in response.text
         # Byte for byte the answer for an id that exists nowhere, but for the id it quotes.
         missing = missing_id(spec.kind)
         nobodys = await api.request(spec.method, spec.path.format(id=missing), headers=headers)
