@@ -8,7 +8,6 @@ are 4xx in OpenAI's shape and leave no usage row."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -20,16 +19,10 @@ import torch
 import torch.nn.functional as F
 from _support.adapters import make_peft_adapter
 from _support.embeddings import make_embedding_checkpoint
-from _support.services import PostgresServer, RedisServer, S3Server
 from _support.waiting import wait_for
 
-from loraplex.engine.model.tokenizer import Tokenizer
-from loraplex.platform.app import create_app
-from loraplex.platform.resources import Resources
-from loraplex.platform.settings import Settings
-
-from .conftest import module_settings_sync
-from .test_completions import Platform, Tenant, _serving
+from .embedded_platform import embedded_fixtures
+from .test_completions import Platform, Tenant
 
 pytestmark = pytest.mark.integration
 
@@ -42,49 +35,24 @@ def embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_embedding_checkpoint(tmp_path_factory.mktemp("embedder"), "qwen3", pooling="last", headless=False)
 
 
-@pytest.fixture(scope="module")
-def settings(
-    tmp_path_factory: pytest.TempPathFactory,
-    postgres_server: PostgresServer,
-    redis_server: RedisServer,
-    s3_server: S3Server,
-    session_tag: str,
-    embedder: Path,
-) -> Iterator[Settings]:
-    with module_settings_sync(
-        tmp_path_factory.mktemp("data"),
-        postgres_server,
-        redis_server,
-        s3_server,
-        session_tag,
-        engine_mode="embedded",
-        engine_model=str(embedder),
-        engine_dtype="float32",
-        engine_max_model_len=512,
-        engine_kv_budget="8MiB",
-    ) as value:
-        yield value
+settings, served = embedded_fixtures("embedder", "served")
 
 
 @pytest.fixture(scope="module")
-def platform(settings: Settings, embedder: Path) -> Iterator[Platform]:
-    app = create_app(settings)
-    with _serving(app) as url:
-        resources: Resources = app.state.resources
-        assert resources.embedded_engine is not None
-        platform = Platform(url, app, resources.embedded_engine.core.served_model_name, Tokenizer.from_dir(embedder))
-        response = platform.admin(
-            "PUT",
-            "/admin/prices",
-            json={
-                "base_model": platform.base_model,
-                "input_per_mtok": str(INPUT_PRICE),
-                "cached_input_per_mtok": str(CACHED_PRICE),
-                "output_per_mtok": "8",
-            },
-        )
-        assert response.status_code in (200, 201), response.text
-        yield platform
+def platform(served: Platform) -> Platform:
+    platform = served
+    response = platform.admin(
+        "PUT",
+        "/admin/prices",
+        json={
+            "base_model": platform.base_model,
+            "input_per_mtok": str(INPUT_PRICE),
+            "cached_input_per_mtok": str(CACHED_PRICE),
+            "output_per_mtok": "8",
+        },
+    )
+    assert response.status_code in (200, 201), response.text
+    return platform
 
 
 def _sentence_transformers(path: Path, texts: list[str]) -> torch.Tensor:

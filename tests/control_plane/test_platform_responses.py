@@ -8,7 +8,6 @@ deleted; another tenant's ids are 404 and never content; each response is one us
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,17 +17,12 @@ import pytest
 from _support.adapters import make_peft_adapter
 from _support.checkpoints import make_checkpoint
 from _support.family_chat import write_family_tokenizer
-from _support.services import PostgresServer, RedisServer, S3Server
 from _support.waiting import wait_for
 
 from loraplex.engine.core.reasoning_config import ReasoningConfig
-from loraplex.engine.model.tokenizer import Tokenizer
-from loraplex.platform.app import create_app
-from loraplex.platform.resources import Resources
-from loraplex.platform.settings import Settings
 
-from .conftest import module_settings_sync
-from .test_completions import Platform, _serving, hf_greedy
+from .embedded_platform import embedded_fixtures
+from .test_completions import Platform, hf_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -53,37 +47,7 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def settings(
-    tmp_path_factory: pytest.TempPathFactory,
-    postgres_server: PostgresServer,
-    redis_server: RedisServer,
-    s3_server: S3Server,
-    session_tag: str,
-    qwen3: Path,
-) -> Iterator[Settings]:
-    with module_settings_sync(
-        tmp_path_factory.mktemp("data"),
-        postgres_server,
-        redis_server,
-        s3_server,
-        session_tag,
-        engine_mode="embedded",
-        engine_model=str(qwen3),
-        engine_dtype="float32",
-        engine_max_model_len=512,
-        engine_kv_budget="8MiB",
-    ) as value:
-        yield value
-
-
-@pytest.fixture(scope="module")
-def platform(settings: Settings, qwen3: Path) -> Iterator[Platform]:
-    app = create_app(settings)
-    with _serving(app) as url:
-        resources: Resources = app.state.resources
-        assert resources.embedded_engine is not None
-        yield Platform(url, app, resources.embedded_engine.core.served_model_name, Tokenizer.from_dir(qwen3))
+settings, platform = embedded_fixtures("qwen3")
 
 
 def test_a_stored_conversation_on_an_adapter_endpoint(platform: Platform, qwen3: Path, tmp_path: Path) -> None:

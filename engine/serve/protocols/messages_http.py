@@ -4,23 +4,18 @@ run as the chat they convert to (protocols/messages.py), with every error in Ant
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from litestar import Controller, Request, Response, post
-from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
-from litestar.response import Stream
-from pydantic import BaseModel
 
-from loraplex.engine.errors import EngineError, EngineOverloaded
+from loraplex.engine.errors import EngineOverloaded
 from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected, error_detail
-from loraplex.engine.serve.jobs import Job
 from loraplex.engine.serve.protocol import ChatCompletionRequest
+from loraplex.engine.serve.protocols.http import event_stream, written
 from loraplex.engine.serve.protocols.messages import (
     CountTokensRequest,
     MessagesRequest,
@@ -64,19 +59,19 @@ def _chat(serving: OpenAIServing, body: MessagesRequest | CountTokensRequest) ->
     return ChatCompletionRequest.model_validate(chat)
 
 
-async def _events(
-    job: Job, chunks: AsyncGenerator[BaseModel, None], events: MessageStream
-) -> AsyncGenerator[str, None]:
-    try:
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:  # one write per chunk, whatever events it makes (a write costs more)
-                yield "".join(sse(name, data) for name, data in events.feed(chunk.model_dump(exclude_none=True)))
-        yield "".join(sse(name, data) for name, data in events.end())
-    except Exception as exc:  # the response has begun: the error can only be told in the stream
-        if not isinstance(exc, EngineError | ApiError):
-            logger.exception("%s: the stream failed", job.response_id)
+class _Writer:
+    def __init__(self, events: MessageStream) -> None:
+        self.events = events
+
+    def feed(self, chunk: dict[str, Any]) -> str:
+        return "".join(sse(name, data) for name, data in self.events.feed(chunk))
+
+    def end(self) -> str:
+        return "".join(sse(name, data) for name, data in self.events.end())
+
+    def failed(self, exc: BaseException) -> str:
         status_code, detail = error_detail(exc)
-        yield sse("error", error_body(status_code, detail.message, overloaded=isinstance(exc, EngineOverloaded))[1])
+        return sse("error", error_body(status_code, detail.message, overloaded=isinstance(exc, EngineOverloaded))[1])
 
 
 class MessagesController(Controller):
@@ -99,18 +94,7 @@ class MessagesController(Controller):
             events = MessageStream(
                 message_id=message_id, model=model, stop_sequences=stops, prompt_tokens=prompt_tokens
             )
-            body = _events(job, serving.chat_stream(job, chat), events)
-
-            async def close() -> None:
-                await body.aclose()
-                job.close()
-
-            return Stream(
-                body,
-                media_type="text/event-stream",
-                headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                background=BackgroundTask(close),
-            )
+            return event_stream(job, written(job, serving.chat_stream(job, chat), _Writer(events)), headers)
         try:
             answer = await serving.chat(job, chat, request)
         except ClientDisconnected:

@@ -4,22 +4,17 @@ streamed as its typed events or answered whole. The engine server stores nothing
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from litestar import Controller, Request, Response, post
-from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
-from litestar.response import Stream
-from pydantic import BaseModel
 
-from loraplex.engine.errors import EngineError, RequestError
+from loraplex.engine.errors import RequestError
 from loraplex.engine.serve.api_errors import ApiError, ClientDisconnected, error_detail
-from loraplex.engine.serve.jobs import Job
 from loraplex.engine.serve.protocol import ChatCompletionRequest
+from loraplex.engine.serve.protocols.http import event_stream, written
 from loraplex.engine.serve.protocols.responses import (
     ResponsesRequest,
     ResponseStream,
@@ -55,19 +50,19 @@ def _chat(body: ResponsesRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(chat)
 
 
-async def _events(
-    job: Job, chunks: AsyncGenerator[BaseModel, None], events: ResponseStream
-) -> AsyncGenerator[str, None]:
-    try:
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:  # one write per chunk, whatever events it makes (a write costs more)
-                yield "".join(sse(event) for event in events.feed(chunk.model_dump(exclude_none=True)))
-        yield "".join(sse(event) for event in events.end())
-    except Exception as exc:  # the response has begun: the error can only be told in the stream
-        if not isinstance(exc, EngineError | ApiError):
-            logger.exception("%s: the stream failed", job.response_id)
+class _Writer:
+    def __init__(self, events: ResponseStream) -> None:
+        self.events = events
+
+    def feed(self, chunk: dict[str, Any]) -> str:
+        return "".join(sse(event) for event in self.events.feed(chunk))
+
+    def end(self) -> str:
+        return "".join(sse(event) for event in self.events.end())
+
+    def failed(self, exc: BaseException) -> str:
         _, detail = error_detail(exc)
-        yield sse(events.failed(detail.message, detail.code))
+        return sse(self.events.failed(detail.message, detail.code))
 
 
 class ResponsesController(Controller):
@@ -83,22 +78,8 @@ class ResponsesController(Controller):
         job.start(serving.engine)  # a full queue answers 503 here, before any byte
         response_id, model = new_response_id(), data.model or serving.model_name
         if data.stream:
-            body = _events(
-                job,
-                serving.chat_stream(job, chat),
-                ResponseStream(data, response_id=response_id, model=model, store=False),
-            )
-
-            async def close() -> None:
-                await body.aclose()
-                job.close()
-
-            return Stream(
-                body,
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                background=BackgroundTask(close),
-            )
+            events = ResponseStream(data, response_id=response_id, model=model, store=False)
+            return event_stream(job, written(job, serving.chat_stream(job, chat), _Writer(events)))
         try:
             answer = await serving.chat(job, chat, request)
         except ClientDisconnected:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.domain.base_models.models import BaseModel
 from loraplex.platform.domain.completions.lookups import Target, TenantTerms
@@ -231,6 +233,17 @@ def thinking_budget(base_model: BaseModel, body: ChatCompletionRequest) -> int |
 
 def new_request_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+
+
+def converted_chat(chat: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request another protocol was converted into (the Messages and Responses APIs), held to the hosted
+    chat schema, its bounds on every list and number included; 400 naming the first field that breaks it."""
+    try:
+        return ChatCompletionRequest.model_validate(chat, strict=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        raise invalid_request(f"Invalid value for '{where}': {first.get('msg', 'invalid value')}") from None
 
 
 def usage_event(call: Call) -> UsageEvent:

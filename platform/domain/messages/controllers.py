@@ -13,7 +13,6 @@ from litestar import Controller, Response, post
 from litestar import Request as HttpRequest
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.params import JSONBody
-from pydantic import ValidationError
 
 from loraplex.engine import RequestError
 from loraplex.engine.serve import messages as messages_api
@@ -22,8 +21,7 @@ from loraplex.platform.dependencies import GENERATION_CHECKED_LATER, AppResource
 from loraplex.platform.domain.completions.calls import MAX_BODY_BYTES
 from loraplex.platform.domain.completions.controllers import Framing, complete
 from loraplex.platform.domain.completions.lookups import Target
-from loraplex.platform.domain.completions.schemas import ChatCompletionRequest
-from loraplex.platform.domain.completions.service import Call, engine_error, resolve, route
+from loraplex.platform.domain.completions.service import Call, converted_chat, engine_error, resolve, route
 from loraplex.platform.domain.fleet.client import EngineRequestError, EngineUnavailable
 from loraplex.platform.errors import ApiError, anthropic_error, anthropic_request_id, invalid_request
 from loraplex.platform.resources import Resources
@@ -89,16 +87,6 @@ def _reasons(target: Target) -> bool:
         return True
 
 
-def _chat_body(chat: dict[str, Any]) -> ChatCompletionRequest:
-    """The converted request, held to the platform's chat schema (its bounds on every list and number)."""
-    try:
-        return ChatCompletionRequest.model_validate(chat, strict=True)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        raise invalid_request(f"Invalid value for '{where}': {first.get('msg', 'invalid value')}") from None
-
-
 def _converted(body: messages_api.CountTokensRequest, target: Target) -> dict[str, Any]:
     try:
         return messages_api.to_chat(body, reasoning_model=_reasons(target))
@@ -131,7 +119,7 @@ class MessagesController(Controller):
             chat |= {"stream": True, "stream_options": {"include_usage": True}}
         framing = AnthropicFraming(target.model, data.stop_sequences or [])
         return await complete(
-            request, resources, principal, _chat_body(chat), CHAT_PATH, config_basis(request), framing
+            request, resources, principal, converted_chat(chat), CHAT_PATH, config_basis(request), framing
         )
 
     @post(
@@ -147,7 +135,7 @@ class MessagesController(Controller):
         """Counted by an engine serving the base model (the chat template is the base model's, adapter or not);
         free, as Anthropic's is."""
         target = await _target(resources, principal, data.model)
-        chat = _chat_body(_converted(data, target) | {"model": target.model})  # the same bounds as a message's
+        chat = converted_chat(_converted(data, target) | {"model": target.model})  # the same bounds as a message's
         choice = await route(resources, principal, target, chat)
         if choice is None:
             raise ApiError(

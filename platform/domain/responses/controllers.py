@@ -16,7 +16,6 @@ from litestar import Controller, Response, delete, get, post
 from litestar import Request as HttpRequest
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.params import JSONBody, Parameter
-from pydantic import ValidationError
 
 from loraplex.engine import RequestError
 from loraplex.engine.serve import responses as responses_api
@@ -25,8 +24,7 @@ from loraplex.platform.db.base import utcnow
 from loraplex.platform.dependencies import GENERATION_CHECKED_LATER, AppResources, Principal, config_basis
 from loraplex.platform.domain.completions.calls import MAX_BODY_BYTES, too_large
 from loraplex.platform.domain.completions.controllers import Framing, complete
-from loraplex.platform.domain.completions.schemas import ChatCompletionRequest
-from loraplex.platform.domain.completions.service import resolve
+from loraplex.platform.domain.completions.service import converted_chat, resolve
 from loraplex.platform.domain.responses.repository import ResponseRepository
 from loraplex.platform.domain.responses.sealing import InvalidSeal, ReasoningSeal
 from loraplex.platform.domain.responses.service import history, input_items, stored
@@ -142,15 +140,6 @@ def _open_sealed(seal: ReasoningSeal, tenant: str, body: responses_api.Responses
             ) from None
 
 
-def _chat_body(chat: dict[str, Any]) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(chat, strict=True)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        raise invalid_request(f"Invalid value for '{where}': {first.get('msg', 'invalid value')}") from None
-
-
 async def _history(
     resources: Resources, principal: TenantPrincipal, body: responses_api.ResponsesRequest
 ) -> list[dict[str, Any]]:
@@ -201,7 +190,7 @@ class ResponsesController(Controller):
         sealing = seal if SEALED in (data.include or []) else None
         framing = ResponsesFraming(resources, principal.tenant_id, data, target.model, input_items(data), sealing)
         return await complete(
-            request, resources, principal, _chat_body(chat), CHAT_PATH, config_basis(request), framing
+            request, resources, principal, converted_chat(chat), CHAT_PATH, config_basis(request), framing
         )
 
     @get("/responses/{response_id:str}", summary="A stored response")
