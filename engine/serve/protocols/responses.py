@@ -488,6 +488,8 @@ class ResponseStream:
                 events += self._open_item("message")
                 item = self._items[-1]
                 item["content"][0]["text"] += delta["content"]
+                logprobs = _logprobs(choice.get("logprobs"))
+                item["content"][0]["logprobs"] += logprobs
                 events.append(
                     self._event(
                         "response.output_text.delta",
@@ -495,7 +497,7 @@ class ResponseStream:
                         output_index=len(self._items) - 1,
                         content_index=0,
                         delta=delta["content"],
-                        logprobs=[],
+                        logprobs=logprobs,
                     )
                 )
             for call in delta.get("tool_calls") or []:
@@ -586,7 +588,7 @@ class ResponseStream:
                     output_index=index,
                     content_index=0,
                     text=text,
-                    logprobs=[],
+                    logprobs=item["content"][0]["logprobs"],
                 )
             )
             events.append(

@@ -243,3 +243,30 @@ def test_what_the_engine_server_cannot_do_is_a_400(
     assert isinstance(error, dict) and error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+def test_top_logprobs_come_with_the_output_text(servers: dict[str, str]) -> None:
+    sdk = client(servers["plain"])
+    response = sdk.responses.create(
+        model=MODEL,
+        input=QUESTION,
+        max_output_tokens=5,
+        temperature=0,
+        top_logprobs=2,
+        include=["message.output_text.logprobs"],
+    )
+    [message] = [item for item in response.output if item.type == "message"]
+    logprobs = message.content[0].logprobs  # type: ignore[union-attr]
+    assert logprobs is not None and len(logprobs) == 5
+    assert "".join(entry.token for entry in logprobs) == response.output_text
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in logprobs)
+    # Greedy: each token is its position's most likely one.
+    assert all(entry.logprob == max(top.logprob for top in entry.top_logprobs) for entry in logprobs)
+    with sdk.responses.stream(
+        model=MODEL, input=QUESTION, max_output_tokens=5, temperature=0, top_logprobs=2
+    ) as stream:
+        events = list(stream)
+    streamed = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]  # type: ignore[union-attr]
+    assert [e.token for e in streamed] == [e.token for e in logprobs]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [e.token for e in final.output[0].content[0].logprobs] == [e.token for e in logprobs]
