@@ -92,11 +92,11 @@ DEMO_NAME = "loraplex-demo"
 SPLIT = "services_split"
 SETUPS = ("embedded", "services", SPLIT)
 # The platform's steps, as named in its completions controller module, each timed per request; and three spans
-# around them (nested: complete > _start > _prepare, complete > _answer > _collect), which say what the steps leave
-# out: `complete` is the whole handler, so in_app less complete is the web framework's part (routing, the key's
-# dependency, the body's validation, the response).
-STEPS = ("resolve", "tenant_terms", "route", "engine_body", "_collect", "record_usage_soon")
-SPANS = ("complete", "_start", "_prepare", "_answer")
+# around them (nested: complete > admit_completion > _prepare, complete > _answer > collect), which say what the
+# steps leave out: `complete` is the whole handler, so in_app less complete is the web framework's part (routing,
+# the key's dependency, the body's validation, the response).
+STEPS = ("resolve", "tenant_terms", "route", "engine_body", "collect", "record_usage_soon")
+SPANS = ("complete", "admit_completion", "_prepare", "_answer")
 # The whole of a completion inside the platform's app (from the ASGI call to the end of the response).
 IN_APP = "in_app"
 
@@ -278,7 +278,7 @@ def run_setup(setup: str, requests: int, load: Load, database_url: str | None, r
     }
     in_app = spans.get(IN_APP, [])
     # One of each per request, in order: the platform's own share of each request, and the web framework's.
-    for key, inner in (("platform_work_p50_ms", "_collect"), ("framework_p50_ms", "complete")):
+    for key, inner in (("platform_work_p50_ms", "collect"), ("framework_p50_ms", "complete")):
         if len(inner_spans := spans.get(inner, [])) == len(in_app):
             pairs = zip(in_app[-requests:], inner_spans[-requests:], strict=True)
             figures[key] = percentile([(a - c) * 1000 for a, c in pairs], 0.5)
@@ -534,7 +534,7 @@ def main() -> None:
             print(f"  {step:>18}: {value:.3f} ms (p50)")
         if "platform_work_p50_ms" in figures:
             own = figures["platform_work_p50_ms"]
-            print(f"  the platform's own work in its app (in_app - _collect): {own:.3f} ms (p50)")
+            print(f"  the platform's own work in its app (in_app - collect): {own:.3f} ms (p50)")
         if "framework_p50_ms" in figures:
             print(f"  of which the web framework's (in_app - complete): {figures['framework_p50_ms']:.3f} ms (p50)")
         for workload, rate in figures["saturation"].items():

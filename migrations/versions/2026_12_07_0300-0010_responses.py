@@ -26,6 +26,8 @@ def upgrade() -> None:
         sa.Column("previous_response_id", sa.String(length=64), nullable=True),
         sa.Column("input_items", sa.JSON(), nullable=False),
         sa.Column("response", sa.JSON(), nullable=False),
+        sa.Column("status", sa.String(length=16), nullable=False),
+        sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(

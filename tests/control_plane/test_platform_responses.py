@@ -8,6 +8,7 @@ deleted; another tenant's ids are 404 and never content; each response is one us
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -130,7 +131,6 @@ def test_unstored_responses_and_other_tenants_ids_are_not_found(platform: Platfo
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"background": True}, "background"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"model": "nobody"}, "model"),
     ],
@@ -224,3 +224,49 @@ def test_an_agents_sdk_tool_loop(platform: Platform) -> None:
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
     rows = wait_for(lambda: found if len(found := platform.usage_rows(tenant)) >= 2 else None)
     assert all(row["request_id"].startswith("resp_") for row in rows)
+
+
+LONG = {
+    "type": "object",
+    "properties": {"t": {"type": "string", "minLength": 400}},
+    "required": ["t"],
+    "additionalProperties": False,
+}
+
+
+def _polled(sdk: openai.OpenAI, response_id: str, timeout_s: float = 60) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = sdk.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return response
+        time.sleep(0.1)
+
+
+def test_background_responses_run_after_the_answer_and_can_be_cancelled(platform: Platform) -> None:
+    tenant, other = platform.make_tenant(), platform.make_tenant()
+    sdk = platform.client(tenant.key)
+    ask: dict[str, Any] = {"model": platform.base_model, "input": QUESTION, "temperature": 0}
+    started = sdk.responses.create(**ask, max_output_tokens=8, background=True)
+    assert started.status in ("queued", "in_progress") and started.background is True and started.output == []
+    done = _polled(sdk, started.id)
+    assert done.status == "incomplete" and done.usage is not None and done.usage.output_tokens == 8
+    assert done.output_text == sdk.responses.create(**ask, max_output_tokens=8).output_text  # as answered at once
+    # A long one, cancelled while it runs: it stops, reads cancelled, and is billed for what it ran.
+    # (a grammar that needs 400 characters keeps the random model from ending early)
+    text = {"format": {"type": "json_schema", "name": "long", "schema": LONG, "strict": True}}
+    long = sdk.responses.create(**ask, max_output_tokens=460, background=True, text=text)
+    with pytest.raises(openai.NotFoundError):
+        platform.client(other.key).responses.cancel(long.id)
+    cancelled = sdk.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert sdk.responses.retrieve(long.id).status == "cancelled" and sdk.responses.cancel(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError, match="ended"):
+        sdk.responses.cancel(done.id)
+    rows = wait_for(lambda: found if len(found := platform.usage_rows(tenant)) >= 3 else None)
+    by_id = {row["request_id"]: row for row in rows}
+    assert by_id[started.id]["completion_tokens"] == 8 and by_id[long.id]["status"] == "cancelled"
+    for fields, param in (({"store": False}, "store"), ({"stream": True}, "stream")):
+        body = {**ask, "max_output_tokens": 2, "background": True, **fields}
+        response = httpx.post(f"{platform.url}/v1/responses", json=body, headers=tenant.headers, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

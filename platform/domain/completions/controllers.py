@@ -160,11 +160,7 @@ async def complete(
     # before the engine is asked, and then nothing runs.
     gone = asyncio.ensure_future(disconnected(request))
     try:
-        call, headers, lease = await admit(
-            request, resources, principal, lambda p: _prepare(resources, p, body, path, framing), basis
-        )
-        call.running_usage = framing.running_usage
-        headers |= framing.headers(call)
+        call, headers, lease = await admit_completion(request, resources, principal, body, path, basis, framing)
     except BaseException:
         await unwatch(gone)
         raise
@@ -179,6 +175,25 @@ async def complete(
     if not isinstance(response, Stream):
         resources.admitter.release_soon(lease)
     return response
+
+
+async def admit_completion(
+    request: HttpRequest[Any, Any, Any],
+    resources: Resources,
+    principal: TenantPrincipal,
+    body: Request,
+    path: str,
+    basis: Basis | None,
+    framing: Framing,
+) -> tuple[Call, dict[str, str], HeldLease]:
+    """Everything that can refuse a completion (`admit`), for a caller that answers it its own way (a background
+    response): the call, its response headers, and the concurrency lease it now owns."""
+    call, headers, lease = await admit(
+        request, resources, principal, lambda p: _prepare(resources, p, body, path, framing), basis
+    )
+    call.running_usage = framing.running_usage
+    headers |= framing.headers(call)
+    return call, headers, lease
 
 
 async def _answer(
@@ -199,7 +214,7 @@ async def _answer(
             raise client_closed()
         if not body.stream:
             try:
-                answer = await unless_disconnected(gone, _collect(resources, call))
+                answer = await unless_disconnected(gone, collect(resources, call))
             except BaseException:
                 await record_usage(resources, call)
                 raise
@@ -302,7 +317,7 @@ class _Choice:
     finish: str | None = None
 
 
-async def _collect(resources: Resources, call: Call) -> dict[str, Any]:
+async def collect(resources: Resources, call: Call) -> dict[str, Any]:
     """A non-streamed answer, assembled from the engine's stream (one choice per index, n of them)."""
     chat = isinstance(call.body, ChatCompletionRequest)
     choices: dict[int, _Choice] = {}

@@ -23,9 +23,11 @@ from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.db.base import utcnow
 from loraplex.platform.dependencies import GENERATION_CHECKED_LATER, AppResources, Principal, config_basis
 from loraplex.platform.domain.completions.calls import MAX_BODY_BYTES, too_large
-from loraplex.platform.domain.completions.controllers import Framing, complete
-from loraplex.platform.domain.completions.service import converted_chat, resolve
-from loraplex.platform.domain.responses.repository import ResponseRepository
+from loraplex.platform.domain.completions.controllers import Framing, admit_completion, collect, complete
+from loraplex.platform.domain.completions.schemas import ChatCompletionRequest
+from loraplex.platform.domain.completions.service import converted_chat, record_usage, resolve
+from loraplex.platform.domain.responses import background
+from loraplex.platform.domain.responses.repository import RUNNING, ResponseRepository
 from loraplex.platform.domain.responses.sealing import InvalidSeal, ReasoningSeal
 from loraplex.platform.domain.responses.service import history, input_items, stored
 from loraplex.platform.errors import ApiError, invalid_request
@@ -152,6 +154,56 @@ async def _history(
     return history(chain)
 
 
+async def _background(
+    request: HttpRequest[Any, Any, Any],
+    resources: Resources,
+    principal: TenantPrincipal,
+    chat: ChatCompletionRequest,
+    framing: ResponsesFraming,
+) -> Response[Any]:
+    """Admit the response, store it queued, answer that, and run it in this process (background.py)."""
+    call, headers, lease = await admit_completion(
+        request, resources, principal, chat, CHAT_PATH, config_basis(request), framing
+    )
+    try:
+        now = utcnow()
+        queued = responses_api.envelope(
+            framing.body,
+            response_id=framing.response_id,
+            model=framing.model,
+            created_at=int(now.timestamp()),
+            status="queued",
+            output=[],
+            usage=None,
+            store=True,
+        )
+        queued["background"] = True
+        row = stored(principal.tenant_id, queued, framing.items, now, resources.settings.responses_retention_days)
+        async with resources.sessions() as session:
+            await ResponseRepository(session).add(row, now)
+            await session.commit()
+    except BaseException:
+        await lease.release()
+        raise
+
+    async def answer() -> dict[str, Any]:
+        response = responses_api.response_of(
+            await collect(resources, call),
+            framing.body,
+            response_id=framing.response_id,
+            model=framing.model,
+            store=True,
+        )
+        framing._sealed(response["output"])
+        return {**response, "background": True}
+
+    resources.background.start(
+        framing.response_id,
+        background.run(resources.sessions, framing.response_id, queued, answer(), lease, record_usage(resources, call)),
+    )
+    return Response(queued, headers=headers)
+
+
 class ResponsesController(Controller):
     path = "/"
     tags = ["tenant: responses (OpenAI's Responses API)"]
@@ -173,10 +225,10 @@ class ResponsesController(Controller):
     ) -> Response[Any]:
         if not data.model:
             raise invalid_request("model: field required", param="model")
-        if data.background:
-            raise invalid_request(
-                "background responses are not supported yet: send the request without background", param="background"
-            )
+        if data.background and data.store is False:
+            raise invalid_request("a background response is stored: leave store out or send true", param="store")
+        if data.background and data.stream:
+            raise invalid_request("streaming a background response is not supported yet: poll it", param="stream")
         seal = _seal(resources)
         _open_sealed(seal, str(principal.tenant_id), data)
         target = await resolve(resources, principal, data.model)
@@ -189,17 +241,46 @@ class ResponsesController(Controller):
             chat |= {"stream": True, "stream_options": {"include_usage": True}}
         sealing = seal if SEALED in (data.include or []) else None
         framing = ResponsesFraming(resources, principal.tenant_id, data, target.model, input_items(data), sealing)
+        if data.background:
+            return await _background(request, resources, principal, converted_chat(chat), framing)
         return await complete(
             request, resources, principal, converted_chat(chat), CHAT_PATH, config_basis(request), framing
         )
 
     @get("/responses/{response_id:str}", summary="A stored response")
     async def retrieve(self, response_id: str, principal: Principal, resources: AppResources) -> dict[str, Any]:
+        now = utcnow()
+        async with resources.sessions() as session:
+            row = await ResponseRepository(session).get(principal.tenant_id, response_id, now)
+        if row is None:
+            raise _not_found(response_id)
+        if background.stale(row, now):  # its replica stopped: it will not finish
+            error = {"code": "server_error", "message": "The server running this response stopped; create it again."}
+            failed = background.ended(row.response, "failed", error)
+            await background.write(resources.sessions, response_id, failed)
+            return failed
+        return row.response
+
+    @post("/responses/{response_id:str}/cancel", status_code=200, summary="Cancel a background response")
+    async def cancel(self, response_id: str, principal: Principal, resources: AppResources) -> dict[str, Any]:
+        """A queued or running background response stops, and reads cancelled; one that has ended is a 400."""
         async with resources.sessions() as session:
             row = await ResponseRepository(session).get(principal.tenant_id, response_id, utcnow())
         if row is None:
             raise _not_found(response_id)
-        return row.response
+        if not row.response.get("background"):
+            raise invalid_request("only a background response can be cancelled", param="response_id")
+        if row.status == "cancelled":
+            return row.response
+        if row.status not in RUNNING:
+            raise invalid_request(
+                f"this response has ended ({row.status}): it cannot be cancelled", param="response_id"
+            )
+        if not await resources.background.cancel(response_id):  # run elsewhere, or its replica stopped
+            await background.write(resources.sessions, response_id, background.ended(row.response, "cancelled"))
+        async with resources.sessions() as session:
+            after = await ResponseRepository(session).get(principal.tenant_id, response_id, utcnow())
+        return after.response if after is not None else background.ended(row.response, "cancelled")
 
     @get("/responses/{response_id:str}/input_items", summary="A stored response's input items")
     async def input_items(

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import delete
+from sqlalchemy import delete, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.domain.responses.models import StoredResponse
 from loraplex.platform.ids import TenantId
 
 MAX_CHAIN = 256  # responses a previous_response_id chain may go back through
+RUNNING = ("queued", "in_progress")  # a background response's states before it ends
 
 
 class ResponseRepository:
@@ -49,3 +51,17 @@ class ResponseRepository:
             return False
         await self.session.delete(row)
         return True
+
+    async def finish(self, response_id: str, response: dict[str, Any], *, unless_ended: bool = True) -> bool:
+        """Write a background response's new state (`response`, its status in it); with `unless_ended`, only while
+        it is still queued or in progress (a cancel that came first stays). Whether it was written."""
+        query = update(StoredResponse).where(StoredResponse.id == response_id)
+        if unless_ended:
+            query = query.where(StoredResponse.status.in_(RUNNING))
+        result = await self.session.execute(query.values(response=response, status=response["status"]))
+        return bool(getattr(result, "rowcount", 0))
+
+    async def beat(self, response_id: str, now: datetime) -> None:
+        await self.session.execute(
+            update(StoredResponse).where(StoredResponse.id == response_id).values(heartbeat_at=now)
+        )

@@ -57,6 +57,8 @@ def stored(
         previous_response_id=response.get("previous_response_id"),
         input_items=items,
         response=response,
+        status=response["status"],
+        heartbeat_at=now,
         created_at=now,
         expires_at=now + timedelta(days=retention_days),
     )
