@@ -37,11 +37,13 @@ from loraplex.platform.domain.embeddings.controllers import EmbeddingsController
 from loraplex.platform.domain.endpoints.controllers import EndpointController
 from loraplex.platform.domain.fleet.controllers import AdminEngineController
 from loraplex.platform.domain.messages.controllers import MessagesController
+from loraplex.platform.domain.responses.background import BackgroundResponses
 from loraplex.platform.domain.responses.controllers import ResponsesController
 from loraplex.platform.domain.tenants.controllers import AdminTenantController, TenantSelfController
 from loraplex.platform.domain.usage.controllers import UsageController
 from loraplex.platform.errors import handle_exception
 from loraplex.platform.health import HealthController
+from loraplex.platform.jobs.worker import JobWorker
 from loraplex.platform.metrics import MetricsController
 from loraplex.platform.resources import Resources
 from loraplex.platform.settings import Settings
@@ -63,9 +65,20 @@ def create_app(settings: Settings, *, check_migrations: bool = True) -> Litestar
         app.state.resources = resources
         stop_draining = asyncio.Event()
         drainer = asyncio.create_task(resources.usage.run_drainer(settings.usage_drain_interval_s, stop_draining))
+        if settings.jobs_concurrency > 0:
+            resources.jobs = JobWorker(
+                resources.sessions,
+                [BackgroundResponses(resources)],
+                lease_s=settings.jobs_lease_s,
+                poll_s=settings.jobs_poll_interval_s,
+                concurrency=settings.jobs_concurrency,
+            )
+            resources.jobs.start()
         try:
             yield
         finally:
+            if resources.jobs is not None:  # its jobs go back to the queue (before usage closes: they may bill)
+                await resources.jobs.close()
             stop_draining.set()  # let a round in progress finish its database call (see run_drainer)
             try:
                 await asyncio.wait_for(asyncio.shield(drainer), timeout=15)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -35,8 +35,8 @@ from loraplex.platform.domain.fleet.embedded import (
     start_embedded_fleet,
 )
 from loraplex.platform.domain.fleet.registry import EmptyFleet, Fleet, RedisFleet, Router
-from loraplex.platform.domain.responses.background import BackgroundRuns
 from loraplex.platform.domain.usage.recorder import UsageRecorder, open_usage_recorder
+from loraplex.platform.jobs.worker import JobWorker
 from loraplex.platform.kv import KeyValueStore, RedisStore, open_kv_store
 from loraplex.platform.metrics import CountingLeases, CountingRateLimiter, PlatformMetrics
 from loraplex.platform.objectstore import ObjectStore, open_object_store
@@ -101,7 +101,7 @@ class Resources:
     console_sessions: SessionStore
     sign_in_throttle: SignInThrottle
     embedded_engine: EngineRuntime | None = None
-    background: BackgroundRuns = field(default_factory=BackgroundRuns)  # background responses this process runs
+    jobs: JobWorker | None = None  # the app's job worker (background responses): its lifespan starts and stops it
 
     @classmethod
     async def open(cls, settings: Settings, *, check_migrations: bool = True, with_engines: bool = True) -> Resources:
@@ -173,7 +173,6 @@ class Resources:
 
     async def close(self) -> None:
         try:
-            await self.background.close()  # stopped as cancelled, their leases released
             await self.admitter.settled()  # lease releases still on their way: through the store, not cut off
             await self.fleet.close()
             if self.embedded_engine is not None:

@@ -179,6 +179,27 @@ class Settings(BaseSettings):
         le=3600,
         description="How often usage that could not be written to the database is moved from the outbox into it.",
     )
+    jobs_lease_s: float = Field(
+        default=30.0,
+        ge=1,
+        le=3600,
+        description="How long a replica holds a job (a background response) between renewals of its lease; a job "
+        "whose replica stopped is taken up by another this long after its last renewal.",
+    )
+    jobs_concurrency: int = Field(
+        default=16,
+        ge=0,
+        le=1024,
+        description="How many jobs (background responses) one replica runs at once; 0: this replica runs none "
+        "(it still takes them: the others run them).",
+    )
+    jobs_poll_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="How often an idle replica looks for jobs queued by another (the one that queues a job looks "
+        "at once).",
+    )
     responses_retention_days: float = Field(
         default=30.0,
         gt=0,

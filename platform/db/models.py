@@ -9,6 +9,7 @@ from loraplex.platform.domain.endpoints.models import Endpoint
 from loraplex.platform.domain.responses.models import StoredResponse
 from loraplex.platform.domain.tenants.models import Tenant
 from loraplex.platform.domain.usage.models import UsageRecord
+from loraplex.platform.jobs.models import Job
 
 __all__ = [
     "Adapter",
@@ -17,6 +18,7 @@ __all__ = [
     "Base",
     "BaseModel",
     "Endpoint",
+    "Job",
     "PriceVersion",
     "StoredResponse",
     "Tenant",

@@ -4,6 +4,7 @@ the platform app on uvicorn, and a tenant with a key, an uploaded PEFT adapter a
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -21,6 +22,7 @@ from _support.adapters import make_peft_adapter
 from _support.services import PostgresServer, RedisServer, S3Server
 from _support.waiting import poll
 from litestar import Litestar
+from pydantic import SecretStr
 
 from loraplex.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.platform.app import create_app
@@ -61,7 +63,9 @@ def free_ports(count: int) -> list[int]:
 
 
 @dataclass
-class EngineProcess:
+class ServerProcess:
+    """A `loraplex` server of the test's own (an engine, or a platform replica) and its log."""
+
     process: subprocess.Popen[bytes]
     url: str
     log: Path
@@ -93,7 +97,7 @@ def engine_process(
     engine_id: str,
     base_model: str,
     extra: Sequence[str] = (),
-) -> Iterator[EngineProcess]:
+) -> Iterator[ServerProcess]:
     """`loraplex engine serve` as its own process, registered in the platform's Redis under `engine_id`, reading
     adapters from the platform's bucket; stopped (SIGTERM, then SIGKILL) on exit."""
     assert settings.redis_url is not None and settings.s3_endpoint_url is not None
@@ -118,7 +122,7 @@ def engine_process(
     }
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
-    running = EngineProcess(process, url, log)
+    running = ServerProcess(process, url, log)
     try:
         started = poll(lambda: process.poll() is not None or healthy(url), 90, interval_s=0.2)
         assert started and process.poll() is None, f"the engine did not start:\n{running.log_tail()}"
@@ -219,3 +223,46 @@ def make_tenant(platform: Platform, checkpoint: Path, folder: Path, *, base_mode
     )
     assert response.status_code == 201, response.text
     return Tenant(tenant_id, key, adapter["id"], adapter["digest"])
+
+
+def settings_environment(settings: Settings, **overrides: Any) -> dict[str, str]:
+    """`settings` (and `overrides`) as the LORAPLEX_* environment a `loraplex` process reads them from."""
+    env: dict[str, str] = {}
+    for name in Settings.model_fields:
+        value = overrides.get(name, getattr(settings, name))
+        if value is None:
+            continue
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        elif isinstance(value, list | dict):
+            value = json.dumps(value)
+        env[f"LORAPLEX_{name.upper()}"] = str(value)
+    return env
+
+
+@contextlib.contextmanager
+def platform_process(settings: Settings, log_dir: Path, name: str, **overrides: Any) -> Iterator[ServerProcess]:
+    """`loraplex platform serve` as its own process (another replica on the same database, Redis and bucket),
+    with `overrides` of `settings`; stopped (SIGTERM, then SIGKILL) on exit."""
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    log = log_dir / f"{name}.log"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("LORAPLEX_")} | settings_environment(
+        settings, host="127.0.0.1", port=port, **overrides
+    )
+    command = [str(Path(sys.executable).with_name("loraplex")), "platform", "serve"]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+    running = ServerProcess(process, url, log)
+    try:
+        started = poll(lambda: process.poll() is not None or healthy(url), 90, interval_s=0.2)
+        assert started and process.poll() is None, f"the platform did not start:\n{running.log_tail()}"
+        yield running
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -20,8 +20,8 @@ from loraplex.platform.settings import Settings
 
 from .fleet_setup import (
     ENGINE_AUTH,
-    EngineProcess,
     Platform,
+    ServerProcess,
     Tenant,
     engine_process,
     fleet_settings,
@@ -54,7 +54,7 @@ def settings(
 @pytest.fixture(scope="module")
 def engines(
     settings: Settings, tiny_base_checkpoint: Path, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[EngineProcess, EngineProcess]]:
+) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     logs = tmp_path_factory.mktemp("engines")
     with (
         engine_process(
@@ -82,12 +82,12 @@ def tenant(platform: Platform, tiny_base_checkpoint: Path, tmp_path_factory: pyt
     )
 
 
-def _kv(engine: EngineProcess) -> dict[str, int]:
+def _kv(engine: ServerProcess) -> dict[str, int]:
     stats: dict[str, int] = httpx.get(f"{engine.url}/v1/state", headers=ENGINE_AUTH, timeout=10).json()["kv_transfer"]
     return stats
 
 
-def _alone(engine: EngineProcess, tenant: Tenant, settings: Settings, prompt: str, *, adapter: bool) -> str:
+def _alone(engine: ServerProcess, tenant: Tenant, settings: Settings, prompt: str, *, adapter: bool) -> str:
     """What one engine answers to the request the platform makes of it (greedy; another salt: no cache shared)."""
     body: dict[str, Any] = {
         "model": BASE,
@@ -117,7 +117,7 @@ def _registered(platform: Platform) -> bool:
 def test_the_platform_prefills_on_one_engine_and_decodes_on_the_other(
     model: str,
     stream: bool,
-    engines: tuple[EngineProcess, EngineProcess],
+    engines: tuple[ServerProcess, ServerProcess],
     platform: Platform,
     tenant: Tenant,
     settings: Settings,
@@ -175,7 +175,7 @@ def test_a_tenant_cannot_direct_kv_transfers(platform: Platform, tenant: Tenant)
 
 
 def test_a_prefill_engine_that_is_gone_costs_a_recompute_not_the_request(
-    engines: tuple[EngineProcess, EngineProcess], platform: Platform, tenant: Tenant, settings: Settings
+    engines: tuple[ServerProcess, ServerProcess], platform: Platform, tenant: Tenant, settings: Settings
 ) -> None:
     prefill, _ = engines
     prefill.kill()  # its registry entry lives on until its TTL: the platform still picks it, and finds it gone

@@ -49,8 +49,8 @@ from .conftest import bearer
 from .fleet_setup import (
     ADMIN,
     ENGINE_AUTH,
-    EngineProcess,
     Platform,
+    ServerProcess,
     Tenant,
     engine_process,
     fleet_settings,
@@ -93,7 +93,7 @@ def settings(
 @pytest.fixture(scope="module")
 def engine(
     settings: Settings, tiny_base_checkpoint: Path, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
+) -> Iterator[ServerProcess]:
     """`loraplex engine serve` as its own process, registered in the platform's Redis under ENGINE_ID."""
     with engine_process(
         settings,
@@ -123,7 +123,7 @@ def tenant(platform: Platform, tiny_base_checkpoint: Path, tmp_path_factory: pyt
 # --- helpers ----------------------------------------------------------------------------------------------------
 
 
-def _engine_chat(engine: EngineProcess, lora_adapter: dict[str, str] | None = None, **body: Any) -> dict[str, Any]:
+def _engine_chat(engine: ServerProcess, lora_adapter: dict[str, str] | None = None, **body: Any) -> dict[str, Any]:
     """A chat completion straight from the engine, as the platform would ask for it (greedy, MAX_TOKENS)."""
     request: dict[str, Any] = {
         "model": BASE,
@@ -188,7 +188,7 @@ def _usage_row(platform: Platform, tenant: Tenant, request_id: str) -> dict[str,
 
 
 def test_chat_through_the_platform_runs_the_endpoints_adapter_on_the_engine(
-    settings: Settings, engine: EngineProcess, platform: Platform, tenant: Tenant
+    settings: Settings, engine: ServerProcess, platform: Platform, tenant: Tenant
 ) -> None:
     client = tenant.openai(platform)
     direct = _engine_chat(engine, _lora_adapter(tenant, settings))
@@ -250,7 +250,7 @@ def _cached_tokens(key: str, platform: Platform) -> int:
 
 
 def test_the_prefix_cache_is_shared_within_a_tenant_only(
-    engine: EngineProcess, platform: Platform, tenant: Tenant
+    engine: ServerProcess, platform: Platform, tenant: Tenant
 ) -> None:
     _, other_key = keyed_tenant(platform, "other")
 
@@ -261,7 +261,7 @@ def test_the_prefix_cache_is_shared_within_a_tenant_only(
 
 
 def test_the_engine_answers_only_callers_with_its_key(
-    engine: EngineProcess, tenant: Tenant, settings: Settings
+    engine: ServerProcess, tenant: Tenant, settings: Settings
 ) -> None:
     """Anyone who reaches the engine's port could otherwise make it read adapters under its root or load its own:
     without the shared key every /v1 route is a 401, while the platform (which sends it) is served."""
@@ -292,7 +292,7 @@ def test_a_tenant_cannot_name_adapter_files_itself(platform: Platform, tenant: T
 
 
 def test_legacy_completions_run_the_adapter_too(
-    settings: Settings, engine: EngineProcess, platform: Platform, tenant: Tenant
+    settings: Settings, engine: ServerProcess, platform: Platform, tenant: Tenant
 ) -> None:
     request = {"model": BASE, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     direct = httpx.post(
@@ -311,7 +311,7 @@ def test_legacy_completions_run_the_adapter_too(
 
 
 def test_the_engine_refuses_a_source_outside_its_adapter_root(
-    settings: Settings, engine: EngineProcess, tenant: Tenant
+    settings: Settings, engine: ServerProcess, tenant: Tenant
 ) -> None:
     for source in (
         f"s3://{settings.s3_bucket}/elsewhere/{tenant.adapter_id}",
@@ -329,7 +329,7 @@ def test_the_engine_refuses_a_source_outside_its_adapter_root(
 
 
 def test_admin_engines_lists_the_replica_with_its_adapters_and_load(
-    engine: EngineProcess, platform: Platform, tenant: Tenant
+    engine: ServerProcess, platform: Platform, tenant: Tenant
 ) -> None:
     _chat_text(tenant, platform)  # the adapter is resident on the engine from here on
 
@@ -527,7 +527,7 @@ class Heartbeat:
 
 def test_router_prefers_the_resident_adapter_and_drops_a_silent_replica(
     settings: Settings,
-    engine: EngineProcess,
+    engine: ServerProcess,
     platform: Platform,
     tenant: Tenant,
     stub_engine: StubEngine,
@@ -603,7 +603,7 @@ def test_router_prefers_the_resident_adapter_and_drops_a_silent_replica(
 
 
 def test_a_stream_the_engine_cuts_off_ends_with_an_error_and_is_billed_as_one(
-    settings: Settings, engine: EngineProcess, platform: Platform, tenant: Tenant, stub_engine: StubEngine
+    settings: Settings, engine: ServerProcess, platform: Platform, tenant: Tenant, stub_engine: StubEngine
 ) -> None:
     assert settings.redis_url is not None and engine.process.poll() is None
     stub_engine.answer = _stub_events(cut_off=True)
@@ -665,7 +665,7 @@ def test_an_engine_gets_more_concurrent_requests_than_an_http_pool_default(
 
 
 def test_a_replica_that_refuses_connections_is_routed_around(
-    settings: Settings, engine: EngineProcess, platform: Platform, tenant: Tenant
+    settings: Settings, engine: ServerProcess, platform: Platform, tenant: Tenant
 ) -> None:
     """A crashed engine's key outlives it by up to its TTL: the request it refuses goes to the next replica, and
     later ones skip it."""
@@ -976,7 +976,7 @@ async def test_a_single_replica_costs_no_affinity_round_trip(router_kv: RedisSto
 
 
 def test_a_client_that_goes_away_stops_the_engine_and_is_billed_for_what_it_got(
-    engine: EngineProcess, platform: Platform, tenant: Tenant
+    engine: ServerProcess, platform: Platform, tenant: Tenant
 ) -> None:
     def engine_state() -> dict[str, Any]:
         state: dict[str, Any] = httpx.get(f"{engine.url}/v1/state", headers=ENGINE_AUTH, timeout=10).json()
@@ -1003,7 +1003,7 @@ def test_a_client_that_goes_away_stops_the_engine_and_is_billed_for_what_it_got(
 
 
 def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error_and_bills_what_was_sent(
-    engine: EngineProcess, platform: Platform, tenant: Tenant
+    engine: ServerProcess, platform: Platform, tenant: Tenant
 ) -> None:
     stream = _long_stream(tenant, platform)
     chunks: list[ChatCompletionChunk] = []

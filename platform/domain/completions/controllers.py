@@ -103,11 +103,11 @@ class Framing:
 OPENAI = Framing()
 
 
-async def _prepare(
+async def prepare_completion(
     resources: Resources, principal: TenantPrincipal, body: Request, path: str, framing: Framing
 ) -> Prepared:
     """What the request's cached lookups decide, before its admission: model, terms, tier, a replica. Raises the
-    refusals they make."""
+    refusals they make. (A background response's run calls it alone: it was admitted when it was created.)"""
     target = await resolve(resources, principal, body.model)
     terms = await tenant_terms(resources, principal)
     service_tier = resolve_service_tier(body.service_tier, terms.service_tiers)
@@ -132,6 +132,7 @@ async def _prepare(
         )
     call = Call(
         request_id=framing.request_id(isinstance(body, ChatCompletionRequest)),
+        running_usage=framing.running_usage,
         principal=principal,
         target=target,
         body=body,
@@ -189,9 +190,8 @@ async def admit_completion(
     """Everything that can refuse a completion (`admit`), for a caller that answers it its own way (a background
     response): the call, its response headers, and the concurrency lease it now owns."""
     call, headers, lease = await admit(
-        request, resources, principal, lambda p: _prepare(resources, p, body, path, framing), basis
+        request, resources, principal, lambda p: prepare_completion(resources, p, body, path, framing), basis
     )
-    call.running_usage = framing.running_usage
     headers |= framing.headers(call)
     return call, headers, lease
 

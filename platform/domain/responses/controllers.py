@@ -10,6 +10,7 @@ sealing.py), and what they send back must open. Another tenant's id reads as no 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from litestar import Controller, Response, delete, get, post
@@ -23,15 +24,23 @@ from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.db.base import utcnow
 from loraplex.platform.dependencies import GENERATION_CHECKED_LATER, AppResources, Principal, config_basis
 from loraplex.platform.domain.completions.calls import MAX_BODY_BYTES, too_large
-from loraplex.platform.domain.completions.controllers import Framing, admit_completion, collect, complete
+from loraplex.platform.domain.completions.controllers import (
+    Framing,
+    admit_completion,
+    collect,
+    complete,
+    prepare_completion,
+)
 from loraplex.platform.domain.completions.schemas import ChatCompletionRequest
-from loraplex.platform.domain.completions.service import converted_chat, record_usage, resolve
+from loraplex.platform.domain.completions.service import Call, converted_chat, resolve
 from loraplex.platform.domain.responses import background
 from loraplex.platform.domain.responses.repository import RUNNING, ResponseRepository
 from loraplex.platform.domain.responses.sealing import InvalidSeal, ReasoningSeal
 from loraplex.platform.domain.responses.service import history, input_items, stored
 from loraplex.platform.errors import ApiError, invalid_request
 from loraplex.platform.ids import TenantId
+from loraplex.platform.jobs.models import Job
+from loraplex.platform.jobs.repository import JobRepository
 from loraplex.platform.resources import Resources
 
 logger = logging.getLogger(__name__)
@@ -57,11 +66,13 @@ class ResponsesFraming(Framing):
         model: str,
         items: list[dict[str, Any]],
         seal: ReasoningSeal | None = None,
+        *,
+        response_id: str | None = None,
     ) -> None:
         self.resources, self.tenant_id, self.body, self.model, self.items = resources, tenant_id, body, model, items
         self.seal = seal  # include reasoning.encrypted_content: reasoning items carry their text sealed
         self.store = body.store is not False
-        self.response_id = responses_api.new_response_id()
+        self.response_id = response_id or responses_api.new_response_id()  # given: a background response's run
         self.events = responses_api.ResponseStream(body, response_id=self.response_id, model=model, store=self.store)
         self.failed = False
 
@@ -154,18 +165,46 @@ async def _history(
     return history(chain)
 
 
+async def _converted(
+    resources: Resources,
+    principal: TenantPrincipal,
+    data: responses_api.ResponsesRequest,
+    response_id: str | None = None,
+) -> tuple[ChatCompletionRequest, ResponsesFraming]:
+    """The chat completion a response is (its sealed reasoning opened, its stored conversation before it) and how
+    it is written back; raises the 4xx of what cannot be."""
+    if not data.model:
+        raise invalid_request("model: field required", param="model")
+    seal = _seal(resources)
+    _open_sealed(seal, str(principal.tenant_id), data)
+    target = await resolve(resources, principal, data.model)
+    try:
+        chat = responses_api.to_chat(data, await _history(resources, principal, data))
+    except RequestError as exc:
+        raise invalid_request(str(exc), param=exc.param) from None
+    chat["model"] = data.model
+    if data.stream:
+        chat |= {"stream": True, "stream_options": {"include_usage": True}}
+    sealing = seal if SEALED in (data.include or []) else None
+    framing = ResponsesFraming(
+        resources, principal.tenant_id, data, target.model, input_items(data), sealing, response_id=response_id
+    )
+    return converted_chat(chat), framing
+
+
 async def _background(
     request: HttpRequest[Any, Any, Any],
     resources: Resources,
     principal: TenantPrincipal,
-    chat: ChatCompletionRequest,
-    framing: ResponsesFraming,
+    data: responses_api.ResponsesRequest,
+    raw: dict[str, Any],
 ) -> Response[Any]:
-    """Admit the response, store it queued, answer that, and run it in this process (background.py)."""
-    call, headers, lease = await admit_completion(
+    """Admit the response (every refusal now), store it queued with its job, and answer that (background.py)."""
+    chat, framing = await _converted(resources, principal, data)
+    _, headers, lease = await admit_completion(
         request, resources, principal, chat, CHAT_PATH, config_basis(request), framing
     )
-    try:
+    try:  # the job takes a slot of its own when it runs, in whichever replica claims it
         now = utcnow()
         queued = responses_api.envelope(
             framing.body,
@@ -179,16 +218,37 @@ async def _background(
         )
         queued["background"] = True
         row = stored(principal.tenant_id, queued, framing.items, now, resources.settings.responses_retention_days)
+        job = Job(
+            id=framing.response_id,
+            kind=background.KIND,
+            tenant_id=principal.tenant_id,
+            payload=background.job_payload(principal, raw),
+            created_at=now,
+            run_after=now,
+        )
         async with resources.sessions() as session:
             await ResponseRepository(session).add(row, now)
+            JobRepository(session).add(job)
             await session.commit()
-    except BaseException:
+    finally:
         await lease.release()
-        raise
+    if resources.jobs is not None:
+        resources.jobs.nudge()
+    return Response(queued, headers=headers)
 
-    async def answer() -> dict[str, Any]:
+
+@dataclass
+class BackgroundRun:
+    """A background response, prepared to run in a job: its call and how its answer is written."""
+
+    call: Call
+    framing: ResponsesFraming
+    cap: int  # the tenant's concurrency cap, whose slot the run holds
+
+    async def answer(self, resources: Resources) -> dict[str, Any]:
+        framing = self.framing
         response = responses_api.response_of(
-            await collect(resources, call),
+            await collect(resources, self.call),
             framing.body,
             response_id=framing.response_id,
             model=framing.model,
@@ -197,11 +257,16 @@ async def _background(
         framing._sealed(response["output"])
         return {**response, "background": True}
 
-    resources.background.start(
-        framing.response_id,
-        background.run(resources.sessions, framing.response_id, queued, answer(), lease, record_usage(resources, call)),
-    )
-    return Response(queued, headers=headers)
+
+async def prepared_background(
+    resources: Resources, principal: TenantPrincipal, response_id: str, raw: dict[str, Any]
+) -> BackgroundRun:
+    """The run of background response `response_id` from the request it was created with (`raw`), for a job: the
+    lookups again (it was admitted when it was created), raising the refusals they make now."""
+    data = responses_api.ResponsesRequest.model_validate(raw)
+    chat, framing = await _converted(resources, principal, data, response_id)
+    prepared = await prepare_completion(resources, principal, chat, CHAT_PATH, framing)
+    return BackgroundRun(prepared.call, framing, prepared.terms.max_concurrent_requests)
 
 
 class ResponsesController(Controller):
@@ -223,29 +288,15 @@ class ResponsesController(Controller):
         principal: Principal,
         resources: AppResources,
     ) -> Response[Any]:
-        if not data.model:
-            raise invalid_request("model: field required", param="model")
         if data.background and data.store is False:
             raise invalid_request("a background response is stored: leave store out or send true", param="store")
         if data.background and data.stream:
             raise invalid_request("streaming a background response is not supported yet: poll it", param="stream")
-        seal = _seal(resources)
-        _open_sealed(seal, str(principal.tenant_id), data)
-        target = await resolve(resources, principal, data.model)
-        try:
-            chat = responses_api.to_chat(data, await _history(resources, principal, data))
-        except RequestError as exc:
-            raise invalid_request(str(exc), param=exc.param) from None
-        chat["model"] = data.model
-        if data.stream:
-            chat |= {"stream": True, "stream_options": {"include_usage": True}}
-        sealing = seal if SEALED in (data.include or []) else None
-        framing = ResponsesFraming(resources, principal.tenant_id, data, target.model, input_items(data), sealing)
         if data.background:
-            return await _background(request, resources, principal, converted_chat(chat), framing)
-        return await complete(
-            request, resources, principal, converted_chat(chat), CHAT_PATH, config_basis(request), framing
-        )
+            raw = data.model_dump(mode="json", exclude_unset=True)  # before sealed reasoning is opened
+            return await _background(request, resources, principal, data, raw)
+        chat, framing = await _converted(resources, principal, data)
+        return await complete(request, resources, principal, chat, CHAT_PATH, config_basis(request), framing)
 
     @get("/responses/{response_id:str}", summary="A stored response")
     async def retrieve(self, response_id: str, principal: Principal, resources: AppResources) -> dict[str, Any]:
@@ -254,11 +305,6 @@ class ResponsesController(Controller):
             row = await ResponseRepository(session).get(principal.tenant_id, response_id, now)
         if row is None:
             raise _not_found(response_id)
-        if background.stale(row, now):  # its replica stopped: it will not finish
-            error = {"code": "server_error", "message": "The server running this response stopped; create it again."}
-            failed = background.ended(row.response, "failed", error)
-            await background.write(resources.sessions, response_id, failed)
-            return failed
         return row.response
 
     @post("/responses/{response_id:str}/cancel", status_code=200, summary="Cancel a background response")
@@ -276,8 +322,13 @@ class ResponsesController(Controller):
             raise invalid_request(
                 f"this response has ended ({row.status}): it cannot be cancelled", param="response_id"
             )
-        if not await resources.background.cancel(response_id):  # run elsewhere, or its replica stopped
-            await background.write(resources.sessions, response_id, background.ended(row.response, "cancelled"))
+        now = utcnow()
+        async with resources.sessions() as session:  # the response and its job, together
+            await ResponseRepository(session).finish(response_id, background.ended(row.response, "cancelled"))
+            await JobRepository(session).cancel(response_id, now)
+            await session.commit()
+        if resources.jobs is not None:  # run here: stopped now (elsewhere: at its worker's next renewal)
+            await resources.jobs.interrupt(response_id)
         async with resources.sessions() as session:
             after = await ResponseRepository(session).get(principal.tenant_id, response_id, utcnow())
         return after.response if after is not None else background.ended(row.response, "cancelled")

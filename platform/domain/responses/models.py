@@ -22,9 +22,8 @@ class StoredResponse(Base):
     # The request's own input items, each with an id (GET .../input_items), and the response object as answered.
     input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
     response: Mapped[dict[str, Any]] = mapped_column(JSON)
-    # The response's status (its JSON's too): background ones are queued, then in_progress, then end; the replica
-    # running one beats `heartbeat_at`, so one whose replica stopped reads as failed instead of running forever.
+    # The response's status (its JSON's too): background ones are queued, then in_progress, then end (their runs
+    # are jobs: platform/jobs).
     status: Mapped[str] = mapped_column(String(16), default="completed")
-    heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(index=True)

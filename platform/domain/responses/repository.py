@@ -60,8 +60,3 @@ class ResponseRepository:
             query = query.where(StoredResponse.status.in_(RUNNING))
         result = await self.session.execute(query.values(response=response, status=response["status"]))
         return bool(getattr(result, "rowcount", 0))
-
-    async def beat(self, response_id: str, now: datetime) -> None:
-        await self.session.execute(
-            update(StoredResponse).where(StoredResponse.id == response_id).values(heartbeat_at=now)
-        )

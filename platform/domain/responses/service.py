@@ -58,7 +58,6 @@ def stored(
         input_items=items,
         response=response,
         status=response["status"],
-        heartbeat_at=now,
         created_at=now,
         expires_at=now + timedelta(days=retention_days),
     )
