@@ -26,6 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -829,6 +830,82 @@ def test_a_request_every_replica_refuses_as_overloaded_is_a_503_with_the_soonest
     assert [row["status"] for row in rows] == ["error"] * 3
     assert all(row["prompt_tokens"] == row["completion_tokens"] == 0 for row in rows)
     assert metric(platform, f"{PLATFORM_METRICS}_overloaded_total", tenant=tenant_id) == 3
+
+
+def _sse_events(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
+    """An event stream's (event, data) pairs."""
+    events = []
+    for block in response.text.split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" in lines:
+            events.append((lines.get("event", ""), json.loads(lines["data"])))
+    return events
+
+
+def test_agent_protocols_end_a_stream_the_engine_cuts_off_with_their_error_event(
+    settings: Settings, tiny_base_checkpoint: Path, platform: Platform
+) -> None:
+    """Issue 36: Anthropic's `error` event and the Responses API's `response.failed`, after the text the engine
+    sent; the SDKs raise or show them; billed as errors for what was sent."""
+    name = stub_base_model(platform, tiny_base_checkpoint)
+    _, key = keyed_tenant(platform, "cut")
+    ask = {"model": name, "max_tokens": 8, "messages": MESSAGES, "stream": True}
+    anthropic_headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    with serving_stub(base_model=name, answer=_stub_events(cut_off=True)) as stub, registered(settings, platform, stub):
+        response = platform.post("/v1/messages", anthropic_headers, json=ask)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(response)
+        kinds = [kind for kind, _ in events]
+        assert kinds[0] == "message_start" and kinds[-1] == "error" and "message_stop" not in kinds, kinds
+        text = "".join(data["delta"].get("text", "") for kind, data in events if kind == "content_block_delta")
+        assert text == STUB_TEXT
+        assert events[-1][1]["type"] == "error" and events[-1][1]["error"]["type"] == "api_error"
+        claude = anthropic.Anthropic(base_url=platform.url, api_key=key, max_retries=0, timeout=60)
+        with pytest.raises(anthropic.APIStatusError, match="unavailable"):
+            with claude.messages.stream(model=name, max_tokens=8, messages=MESSAGES) as stream:
+                for _ in stream:
+                    pass
+
+        sdk = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=key, max_retries=0, timeout=60)
+        seen = list(sdk.responses.create(model=name, input=PROMPT, max_output_tokens=8, stream=True))
+        types = [event.type for event in seen]
+        assert types[0] == "response.created" and types[-1] == "response.failed", types
+        assert "response.completed" not in types
+        assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == STUB_TEXT
+        failed = seen[-1].response  # type: ignore[union-attr]
+        assert failed.status == "failed" and failed.error is not None and "unavailable" in failed.error.message
+        assert [event.sequence_number for event in seen] == list(range(len(seen)))
+        kept = sdk.responses.retrieve(failed.id)  # stored as it failed
+        assert kept.status == "failed" and kept.output_text == STUB_TEXT and kept.error == failed.error
+    rows = poll(lambda: (rows := platform.get("/v1/usage", bearer(key)).json()["data"]) and len(rows) == 3 and rows, 5)
+    assert rows and all((row["status"], row["completion_tokens"]) == ("error", 1) for row in rows), rows
+
+
+def test_agent_protocols_answer_every_replica_overloaded_in_their_envelope(
+    settings: Settings, tiny_base_checkpoint: Path, platform: Platform
+) -> None:
+    """Issue 36: an engine whose queue is full is Anthropic's 529 `overloaded_error` (with a request-id) and the
+    Responses API's 503 `overloaded`, before any byte of a stream; the SDKs raise their overloaded errors."""
+    name = stub_base_model(platform, tiny_base_checkpoint)
+    _, key = keyed_tenant(platform, "full")
+    anthropic_headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    with serving_stub(base_model=name, overloaded_retry_after="2") as stub, registered(settings, platform, stub):
+        for stream in (False, True):
+            body = {"model": name, "max_tokens": 4, "messages": MESSAGES, "stream": stream}
+            response = platform.post("/v1/messages", anthropic_headers, json=body)
+            assert response.status_code == 529 and response.headers["retry-after"] == "2", response.text
+            assert response.json()["error"]["type"] == "overloaded_error" and response.headers["request-id"]
+            body = {"model": name, "input": PROMPT, "max_output_tokens": 4, "stream": stream}
+            response = platform.post("/v1/responses", bearer(key), json=body)
+            assert response.status_code == 503 and response.headers["retry-after"] == "2", response.text
+            assert (_envelope(response)["code"], _envelope(response)["type"]) == ("overloaded", "server_error")
+        claude = anthropic.Anthropic(base_url=platform.url, api_key=key, max_retries=0, timeout=60)
+        with pytest.raises(anthropic.OverloadedError):
+            claude.messages.create(model=name, max_tokens=4, messages=MESSAGES)
+        sdk = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=key, max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError) as info:
+            sdk.responses.create(model=name, input=PROMPT, max_output_tokens=4)
+        assert (info.value.status_code, info.value.code) == (503, "overloaded")
 
 
 async def test_the_in_process_client_passes_on_an_overloaded_engines_retry_after() -> None:

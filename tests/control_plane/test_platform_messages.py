@@ -124,6 +124,8 @@ def test_errors_in_anthropics_envelope(platform: Platform) -> None:
     _anthropic(httpx.post(url, json={**ok, "max_tokens": None}, headers=headers), 400, "invalid_request_error")
     image = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}
     _anthropic(httpx.post(url, json={**ok, "messages": [image]}, headers=headers), 400, "invalid_request_error")
+    huge = {**ok, "system": "x" * (4 * 2**20)}
+    _anthropic(httpx.post(url, json=huge, headers=headers, timeout=60), 413, "request_too_large")
     thinking = {**ok, "thinking": {"type": "enabled", "budget_tokens": 2}}  # this base model does not reason
     _anthropic(httpx.post(url, json=thinking, headers=headers), 400, "invalid_request_error")
     response = platform.admin("PATCH", f"/admin/tenants/{tenant.id}", json={"limits": {"requests_per_minute": 1}})

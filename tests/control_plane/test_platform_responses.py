@@ -145,6 +145,37 @@ def test_refusals_are_openais_envelope(platform: Platform, fields: dict[str, Any
     assert platform.usage_rows(tenant) == []
 
 
+def test_every_refusal_is_in_openais_envelope(platform: Platform) -> None:
+    """401, 413 and 429 as the openai SDK reads them; nothing refused is billed or stored."""
+    tenant = platform.make_tenant()
+    url = f"{platform.url}/v1/responses"
+    ok = {"model": platform.base_model, "input": QUESTION, "max_output_tokens": 2}
+
+    def refused(response: httpx.Response, status: int, kind: str) -> dict[str, Any]:
+        assert response.status_code == status, response.text
+        error: dict[str, Any] = response.json()["error"]
+        assert error["type"] == kind and error["message"], error
+        return error
+
+    refused(httpx.post(url, json=ok, headers={"Authorization": "Bearer lpx_nope_nope"}), 401, "invalid_request_error")
+    with pytest.raises(openai.AuthenticationError):
+        platform.client("lpx_nope_nope").responses.create(**ok)
+    huge = {**ok, "instructions": "x" * (4 * 2**20)}
+    error = refused(httpx.post(url, json=huge, headers=tenant.headers, timeout=60), 413, "invalid_request_error")
+    assert error["code"] == "request_too_large"
+    response = platform.admin("PATCH", f"/admin/tenants/{tenant.id}", json={"limits": {"requests_per_minute": 1}})
+    assert response.status_code == 200, response.text
+    statuses = [httpx.post(url, json=ok, headers=tenant.headers, timeout=60).status_code for _ in range(3)]
+    assert statuses.count(200) <= 1 and 429 in statuses
+    limited = refused(httpx.post(url, json=ok, headers=tenant.headers, timeout=60), 429, "rate_limit_error")
+    assert limited["code"]
+    with pytest.raises(openai.RateLimitError):
+        platform.client(tenant.key).responses.create(**ok)
+    with pytest.raises(openai.RateLimitError):  # a background response is refused at once, never queued
+        platform.client(tenant.key).responses.create(**ok, background=True)
+    assert len(platform.usage_rows(tenant)) == statuses.count(200)
+
+
 def test_sealed_reasoning_for_stateless_clients(platform: Platform) -> None:
     """As Codex CLI runs: store false, reasoning asked back sealed; sent back it opens, altered or another tenant's
     it is a 400. (The base model is made a reasoning model for this test, and plain again after it.)"""

@@ -74,7 +74,7 @@ class ResponsesFraming(Framing):
         self.store = body.store is not False
         self.response_id = response_id or responses_api.new_response_id()  # given: a background response's run
         self.events = responses_api.ResponseStream(body, response_id=self.response_id, model=model, store=self.store)
-        self.failed = False
+        self.failed: dict[str, Any] | None = None  # the response of a stream that broke
 
     def request_id(self, chat: bool) -> str:
         return self.response_id  # the usage row's key is the response's id
@@ -98,11 +98,14 @@ class ResponsesFraming(Framing):
         return self._failed(error.message, error.code)
 
     def _failed(self, message: str, code: str | None) -> str:
-        self.failed = True
-        return responses_api.sse(self.events.failed(message, code))
+        event = self.events.failed(message, code)
+        self.failed = event["response"]
+        return responses_api.sse(event)
 
     async def done(self) -> str:
-        if self.failed:
+        if self.failed:  # stored as it failed, as OpenAI keeps a failed response
+            self._sealed(self.failed["output"])
+            await self._store(self.failed)
             return ""
         events = self.events.end()
         assert self.events.response is not None

@@ -24,6 +24,7 @@ from litestar import Litestar
 from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.reasoning_config import ReasoningConfig
 from loraplex.engine.serve.async_engine import AsyncEngine
+from loraplex.engine.serve.protocols import messages
 from loraplex.engine.serve.server import create_engine_app
 
 pytestmark = pytest.mark.unit
@@ -262,3 +263,30 @@ def test_the_sdks_errors_for_a_bad_key_and_a_thinking_budget_past_max_tokens(ser
 def test_the_openapi_document_lists_the_messages_routes(servers: dict[str, str]) -> None:
     paths = httpx.get(f"{servers['plain']}/schema/openapi.json", timeout=30).json()["paths"]
     assert {"/v1/messages", "/v1/messages/count_tokens"} <= set(paths)
+
+
+@pytest.mark.parametrize(
+    ("status", "kind", "raised"),
+    [
+        (400, "invalid_request_error", anthropic.BadRequestError),
+        (401, "authentication_error", anthropic.AuthenticationError),
+        (403, "permission_error", anthropic.PermissionDeniedError),
+        (404, "not_found_error", anthropic.NotFoundError),
+        (413, "request_too_large", anthropic.RequestTooLargeError),
+        (429, "rate_limit_error", anthropic.RateLimitError),
+        (500, "api_error", anthropic.InternalServerError),
+        (529, "overloaded_error", anthropic.OverloadedError),
+    ],
+)
+def test_each_status_is_the_error_type_and_sdk_exception_anthropic_documents(
+    status: int, kind: str, raised: type[anthropic.APIStatusError]
+) -> None:
+    """Every status the platform and the engine answer is written as Anthropic's error type for it (403 included,
+    which no request reaches today: another tenant's object is a 404), and the SDK raises its class for it."""
+    code, body = messages.error_body(status, "why")
+    assert code == status and body == {"type": "error", "error": {"type": kind, "message": "why"}}
+    request = httpx.Request("POST", "http://engine/v1/messages")
+    error = anthropic.Anthropic(api_key="k")._make_status_error(
+        "why", body=body, response=httpx.Response(code, json=body, request=request)
+    )
+    assert type(error) is raised
