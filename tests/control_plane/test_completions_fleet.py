@@ -861,10 +861,10 @@ def test_agent_protocols_end_a_stream_the_engine_cuts_off_with_their_error_event
         assert text == STUB_TEXT
         assert events[-1][1]["type"] == "error" and events[-1][1]["error"]["type"] == "api_error"
         claude = anthropic.Anthropic(base_url=platform.url, api_key=key, max_retries=0, timeout=60)
+        stream = claude.messages.stream(model=name, max_tokens=8, messages=MESSAGES)
         with pytest.raises(anthropic.APIStatusError, match="unavailable"):
-            with claude.messages.stream(model=name, max_tokens=8, messages=MESSAGES) as stream:
-                for _ in stream:
-                    pass
+            stream.__enter__().until_done()
+        stream.__exit__(None, None, None)
 
         sdk = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=key, max_retries=0, timeout=60)
         seen = list(sdk.responses.create(model=name, input=PROMPT, max_output_tokens=8, stream=True))
