@@ -238,7 +238,11 @@ class TestSettingsNames:
     def test_dockerfile_env_names_are_settings_fields(self) -> None:
         names = {token.split("=", 1)[0] for args in dockerfile_args("ENV") for token in shlex.split(args)}
         assert {name for name in names if name.startswith(ENV_PREFIX)}
-        assert unknown_settings_names(names) == set()
+        # The native operators' variables are read by kernels/native.py, below the settings (the engine alone).
+        native = {name for name in names if name.startswith(f"{ENV_PREFIX}NATIVE_")}
+        source = (REPO / "kernels" / "native.py").read_text()
+        assert native and all(f'"{name}"' in source for name in native)
+        assert unknown_settings_names(names - native) == set()
 
     def test_a_misspelled_name_is_caught(self) -> None:
         assert unknown_settings_names(["LORAPLEX_DATABSE_URL", "LORAPLEX_DATABASE_URL", "POSTGRES_DB"]) == {
@@ -365,3 +369,61 @@ class TestDockerfile:
     def test_dockerignore_keeps_local_state_out(self) -> None:
         ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()}
         assert {".venv", "build", ".git", ".loraplex", ".env"} <= ignored
+
+
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """Each named stage's instructions (the unnamed final stage under ""), and the global ARGs under "ARG"."""
+    stages: dict[str, list[tuple[str, str]]] = {"ARG": []}
+    current = "ARG"
+    for keyword, args in dockerfile_instructions():
+        if keyword == "FROM":
+            words = args.split()
+            current = words[2] if len(words) == 3 and words[1].upper() == "AS" else ""
+            stages[current] = [(keyword, args)]
+        else:
+            stages[current].append((keyword, args))
+    return stages
+
+
+def global_args() -> dict[str, str]:
+    pairs = (args.split("=", 1) for keyword, args in dockerfile_stages()["ARG"] if keyword == "ARG")
+    return {name: value for name, value in pairs}
+
+
+class TestImageFlavors:
+    """Issue 37, point 2: one Dockerfile, a CPU and a CUDA flavor of the image; compose.gpu.yaml runs the engine on
+    the second with a GPU, as deploy/k8s does. Checked offline: no Docker engine here."""
+
+    def test_each_flavor_installs_its_torch_and_both_share_every_other_step(self) -> None:
+        stages, args = dockerfile_stages(), global_args()
+        assert args["TORCH_FLAVOR"] == "cpu"  # the default image is the CPU one
+        assert args["CPU_TORCH_INDEX_URL"].endswith("/whl/cpu")
+        assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d{3}", args["CUDA_TORCH_INDEX_URL"])
+        for flavor, index in (("cpu", "CPU_TORCH_INDEX_URL"), ("cuda", "CUDA_TORCH_INDEX_URL")):
+            runs = [a for k, a in stages[f"torch-{flavor}"] if k == "RUN"]
+            assert any('"torch==${TORCH_VERSION}"' in run and f"${{{index}}}" in run for run in runs), runs
+        assert any("import triton" in a for k, a in stages["torch-cuda"] if k == "RUN")  # Triton comes with it
+        # The operators and the image are built on the flavor's torch (the libraries' names record it).
+        assert stages["native"][0] == ("FROM", "torch-${TORCH_FLAVOR} AS native")
+        assert stages[""][0] == ("FROM", "torch-${TORCH_FLAVOR}")
+        assert not any("torch==" in a for k, a in stages[""] if k == "RUN")
+
+    def test_the_gpu_override_changes_the_engine_alone(self) -> None:
+        override = yaml.safe_load((REPO / "compose.gpu.yaml").read_text())
+        assert set(override) == {"services"} and set(override["services"]) == {"engine"}
+        engine = override["services"]["engine"]
+        assert engine["build"]["args"]["TORCH_FLAVOR"] == "cuda" and "TORCH_FLAVOR" in global_args()
+        assert f"torch-{engine['build']['args']['TORCH_FLAVOR']}" in dockerfile_stages()
+        (device,) = engine["deploy"]["resources"]["reservations"]["devices"]
+        assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+        # compose.yaml's engine picks its device (auto: the GPU when the image and the host have one).
+        command = [str(arg) for arg in SERVICES["engine"]["command"]]
+        assert "--device" not in command or command_option(SERVICES["engine"], "--device") == "auto"
+
+    def test_kubernetes_engines_run_the_cuda_flavor(self) -> None:
+        engine = yaml.safe_load((REPO / "compose.gpu.yaml").read_text())["services"]["engine"]
+        manifests = [doc for doc in yaml.safe_load_all((REPO / "deploy/k8s/engine-loraplex-demo.yaml").read_text())]
+        (deployment,) = [doc for doc in manifests if doc and doc["kind"] == "Deployment"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert container["image"] == engine["image"] == "loraplex:cuda"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1

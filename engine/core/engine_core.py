@@ -53,6 +53,8 @@ from loraplex.engine.model.decoder import DecoderModel
 from loraplex.engine.model.tensor_parallel import ShardPlan
 from loraplex.engine.model.tokenizer import Tokenizer
 from loraplex.engine.model.weights import CheckpointTensors
+from loraplex.kernels import native
+from loraplex.kernels.paths import operator_paths
 from loraplex.engine.parallel.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -150,6 +152,11 @@ class EngineCore:
             self.model_config.num_parameters() / 1e6,
             self.weight_bytes / 2**20,
             time.perf_counter() - started,
+        )
+        self.operator_paths = operator_paths(self.device, self.dtype, self.model.quantization_label)
+        why = native.status().reason if self.device.type == "cpu" else "cuda"
+        logger.info(
+            "operators: %s (%s)", ", ".join(f"{name} {path}" for name, path in self.operator_paths.items()), why
         )
 
         spec = config.speculative_config

@@ -38,6 +38,8 @@ class EngineState:
     # Names of the adapters of the running and of the waiting requests, each once, in queue order.
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
+    # Which implementation each hot operator runs (kernels/paths.py): (operator, path).
+    operators: tuple[tuple[str, str], ...] = ()
 
 
 def snapshot(core: EngineCore) -> EngineState:
@@ -67,4 +69,5 @@ def snapshot(core: EngineCore) -> EngineState:
         waiting_adapters=tuple(
             dict.fromkeys(r.adapter.ref.name for r in core.scheduler.waiting if r.adapter is not None)
         ),
+        operators=tuple(core.operator_paths.items()),
     )

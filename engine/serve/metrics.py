@@ -100,6 +100,14 @@ class _StateCollector(Collector):
             f"{_PREFIX}_preemptions", "Requests preempted (recomputed later) for lack of pages.", state.num_preemptions
         )
         yield CounterMetricFamily(f"{_PREFIX}_steps", "Engine steps run.", state.num_steps)
+        paths = GaugeMetricFamily(
+            f"{_PREFIX}_operator_path",
+            "1 for the implementation each hot operator runs (a native CPU level, torch or triton).",
+            labels=["operator", "path"],
+        )
+        for operator, path in state.operators:
+            paths.add_metric([operator, path], 1)
+        yield paths
         yield GaugeMetricFamily(
             f"{_PREFIX}_weight_bytes", "Bytes of model weights held (quantized ones with scales).", state.weight_bytes
         )

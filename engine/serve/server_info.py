@@ -70,4 +70,5 @@ def engine_state(serving: OpenAIServing) -> dict[str, Any]:
             "hit_tokens": state.prefix_cache_hit_tokens,
         },
         "adapters": serving.loras.report(),
+        "operators": dict(state.operators),
     }

@@ -33,6 +33,7 @@ from loraplex.engine.serve.async_engine import AsyncEngine
 from loraplex.engine.serve.metrics import EngineMetrics
 from loraplex.engine.serve.server import create_engine_app
 from loraplex.engine.tools.demo import write_random_model
+from loraplex.kernels import native
 
 pytestmark = pytest.mark.unit
 
@@ -494,6 +495,16 @@ def test_state_reports_load_and_pool(server: Server) -> None:
     assert pool["page_bytes"] > 0
     assert pool["by_kind"] == {"kv": state["prefix_cache"]["blocks"], "adapter": 0}
     assert pool["num_evictable"] == state["prefix_cache"]["blocks"]
+
+
+def test_state_and_metrics_say_which_path_each_operator_runs(server: Server) -> None:
+    """The tiny model is float32 on the CPU: its decode attention and LoRA run the native level this CPU loaded
+    (the test session builds it: `make native`), or torch where none is."""
+    expected = native.status().path
+    assert expected == "torch" or expected.startswith("native x86-64") or expected == "native armv8-a"
+    assert server.state()["operators"] == {"paged_attention": expected, "lora": expected}
+    for operator in ("paged_attention", "lora"):
+        assert server.metric("loraplex_engine_operator_path", f'{{operator="{operator}",path="{expected}"}}') == 1
 
 
 def test_metrics_count_requests_and_tokens(server: Server) -> None:
