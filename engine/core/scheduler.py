@@ -2,7 +2,9 @@
 
 Every step has a token budget. Running requests go first, in arrival order: a decode takes one token, a prompt
 still being prefilled takes the next chunk (after the admissions, when another key's waiting request is at least
-as urgent). Waiting requests then start while budget, sequence slots and pages
+as urgent; and in a step where such a request started, a short chunk, so that the step which computes the
+newcomer's prompt, and so its first token, is not held up by a full step of the others' prefill). Waiting requests
+then start while budget, sequence slots and pages
 last, in this order: priority (lower first, vLLM's convention), then the fairness key with the least service so
 far, then arrival. When a running request cannot get the pages it needs, one not yet scheduled this step is
 preempted, the least urgent, then of the most-served key, then the most recently started: its pages are freed and
@@ -47,6 +49,16 @@ class SchedulerConfig:
     # "fair": priority, then weighted VTC, then arrival. "fcfs" (vLLM's default): arrival alone, keys and priorities
     # ignored (the counters are still kept, for the metrics).
     policy: Literal["fair", "fcfs"] = "fair"
+    # In a step where a flood's running prompts yielded to another key's admission, the most tokens those prompts
+    # then get together (None: max(16, max_num_batched_tokens // 8)): the step that computes the newcomer's prompt
+    # stays short, so its first token is not held behind a full step of the flood's prefill.
+    yielded_prefill_tokens: int | None = None
+
+    @property
+    def yielded_prefill_limit(self) -> int:
+        if self.yielded_prefill_tokens is not None:
+            return self.yielded_prefill_tokens
+        return max(16, self.max_num_batched_tokens // 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,19 +223,25 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing behind it is left to schedule
 
-        # No new admissions in a step whose running requests had to preempt: the pool is full.
+        # No new admissions in a step whose running prompts had to preempt: the pool is full.
+        num_scheduled = len(out.scheduled)
         if len(out.preempted) == num_urgent_preemptions:
             budget = self._admit(out, budget, held_keys={r.fairness_key for r in deferred})
-        for request in deferred:  # what the admissions left (never preempting: they had their turn)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if budget <= 0 or request not in self.running or not self.memory.can_grow(request, num_new):
+        # The deferred prompts get what the admissions left; when one of another key started, at most
+        # `yielded_prefill_limit` of it, so that the step computing the newcomer's prompt ends soon.
+        yielded = bool(deferred) and len(out.scheduled) > num_scheduled
+        spare = min(budget, self.config.yielded_prefill_limit) if yielded else budget
+        for request in deferred:  # never preempting: they had their turn
+            num_new = min(request.num_tokens - request.num_computed_tokens, spare)
+            if spare <= 0 or request not in self.running or not self.memory.can_grow(request, num_new):
                 continue
             self.memory.grow(request, num_new)
             scheduled = ScheduledRequest(request, num_new)
             self._charge(scheduled)
             out.scheduled.append(scheduled)
             budget -= num_new
-        if deferred and budget > 0 and len(out.preempted) == num_urgent_preemptions:
+            spare -= num_new
+        if deferred and not yielded and budget > 0 and len(out.preempted) == num_urgent_preemptions:
             budget = self._admit(out, budget)  # the held keys' turn, with what is left: the step stays full
         if deferred and not out.scheduled and not out.preempted:
             # Every running prompt yielded, yet nothing could start or grow: the pool is full of prompts halfway
