@@ -50,7 +50,7 @@ class SchedulerConfig:
     # ignored (the counters are still kept, for the metrics).
     policy: Literal["fair", "fcfs"] = "fair"
     # In a step where a flood's running prompts yielded to another key's admission, the most tokens those prompts
-    # then get together (None: max(16, max_num_batched_tokens // 8)): the step that computes the newcomer's prompt
+    # then get together (None: max(16, max_num_batched_tokens // 4)): the step that computes the newcomer's prompt
     # stays short, so its first token is not held behind a full step of the flood's prefill.
     yielded_prefill_tokens: int | None = None
 
@@ -58,7 +58,7 @@ class SchedulerConfig:
     def yielded_prefill_limit(self) -> int:
         if self.yielded_prefill_tokens is not None:
             return self.yielded_prefill_tokens
-        return max(16, self.max_num_batched_tokens // 8)
+        return max(16, self.max_num_batched_tokens // 4)
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,6 +88,27 @@ def healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
+def serving_process(command: list[str], env: dict[str, str], url: str, log: Path, what: str) -> Iterator[ServerProcess]:
+    """`command` as a server process logging to `log`, once /healthz at `url` answers; stopped (SIGTERM, then
+    SIGKILL) on exit."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+    running = ServerProcess(process, url, log)
+    try:
+        started = poll(lambda: process.poll() is not None or healthy(url), 90, interval_s=0.2)
+        assert started and process.poll() is None, f"the {what} did not start:\n{running.log_tail()}"
+        yield running
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@contextlib.contextmanager
 def engine_process(
     settings: Settings,
     checkpoint: Path,
@@ -120,21 +141,8 @@ def engine_process(
         "AWS_DEFAULT_REGION": s3_server.region,
         "LORAPLEX_ENGINE_API_KEY": ENGINE_KEY,
     }
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
-    running = ServerProcess(process, url, log)
-    try:
-        started = poll(lambda: process.poll() is not None or healthy(url), 90, interval_s=0.2)
-        assert started and process.poll() is None, f"the engine did not start:\n{running.log_tail()}"
+    with serving_process(command, env, url, log, "engine") as running:
         yield running
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 @dataclass
@@ -251,18 +259,5 @@ def platform_process(settings: Settings, log_dir: Path, name: str, **overrides: 
         settings, host="127.0.0.1", port=port, **overrides
     )
     command = [str(Path(sys.executable).with_name("loraplex")), "platform", "serve"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
-    running = ServerProcess(process, url, log)
-    try:
-        started = poll(lambda: process.poll() is not None or healthy(url), 90, interval_s=0.2)
-        assert started and process.poll() is None, f"the platform did not start:\n{running.log_tail()}"
+    with serving_process(command, env, url, log, "platform") as running:
         yield running
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()

@@ -258,7 +258,7 @@ def test_a_flood_s_running_prompts_wait_for_another_key_s_arrival() -> None:
 
 def test_the_step_that_starts_a_light_key_s_prompt_stays_short() -> None:
     """Issue 37, point 4: a flood's prompts mid-prefill fill every step until a light key's short request arrives;
-    the step that starts it gives the flood at most max(16, budget // 8) tokens, and the next step the whole budget
+    the step that starts it gives the flood at most max(16, budget // 4) tokens, and the next step the whole budget
     again. Under fcfs the flood's running prompt keeps the whole step, and the newcomer waits."""
     for policy in ("fair", "fcfs"):
         sched = scheduler(pages=4096, budget=512, max_seqs=16, policy=policy)
@@ -275,7 +275,7 @@ def test_the_step_that_starts_a_light_key_s_prompt_stays_short() -> None:
             assert by_request == {longs[0].request_id: 512}
             continue
         assert by_request.pop(short.request_id) == 32
-        assert by_request == {longs[0].request_id: 64} and out.num_batched_tokens == 32 + 64
+        assert by_request == {longs[0].request_id: 128} and out.num_batched_tokens == 32 + 128
         out = run.step()  # b decodes its first token's successor; the flood's prompts take the rest
         assert out.num_batched_tokens == 512 and {s.request.request_id: s.num_new_tokens for s in out.scheduled}[
             short.request_id
