@@ -53,9 +53,9 @@ from loraplex.engine.model.decoder import DecoderModel
 from loraplex.engine.model.tensor_parallel import ShardPlan
 from loraplex.engine.model.tokenizer import Tokenizer
 from loraplex.engine.model.weights import CheckpointTensors
+from loraplex.engine.parallel.group import TensorParallelGroup
 from loraplex.kernels import native
 from loraplex.kernels.paths import operator_paths
-from loraplex.engine.parallel.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 

@@ -277,9 +277,10 @@ def test_the_step_that_starts_a_light_key_s_prompt_stays_short() -> None:
         assert by_request.pop(short.request_id) == 32
         assert by_request == {longs[0].request_id: 128} and out.num_batched_tokens == 32 + 128
         out = run.step()  # b decodes its first token's successor; the flood's prompts take the rest
-        assert out.num_batched_tokens == 512 and {s.request.request_id: s.num_new_tokens for s in out.scheduled}[
-            short.request_id
-        ] == 1
+        assert (
+            out.num_batched_tokens == 512
+            and {s.request.request_id: s.num_new_tokens for s in out.scheduled}[short.request_id] == 1
+        )
 
 
 def test_a_pool_full_of_half_done_prompts_of_many_keys_still_makes_progress() -> None:
