@@ -172,7 +172,7 @@ class Status:
 
     @property
     def path(self) -> str:
-        return f"native {self.level}" if self.level is not None else "torch"
+        return f"native/{self.level}" if self.level is not None else "torch"  # no space: a label value
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path, "level": self.level, "library": self.library, "reason": self.reason}

@@ -23,7 +23,7 @@ def operator_paths(device: torch.device, dtype: torch.dtype, quantization: str |
         elif quantization == "fp8":
             paths["quantized_matmul"] = "torch"
         return paths
-    fast = native.status().path  # "native <level>" or "torch"
+    fast = native.status().path  # "native/<level>" or "torch"
     # Both native decode operators take float32 rows; other dtypes stay on torch's kernels.
     float32 = dtype == torch.float32
     paths = {"paged_attention": fast if float32 else "torch", "lora": fast if float32 else "torch"}

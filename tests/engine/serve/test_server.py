@@ -501,7 +501,7 @@ def test_state_and_metrics_say_which_path_each_operator_runs(server: Server) -> 
     """The tiny model is float32 on the CPU: its decode attention and LoRA run the native level this CPU loaded
     (the test session builds it: `make native`), or torch where none is."""
     expected = native.status().path
-    assert expected == "torch" or expected.startswith("native x86-64") or expected == "native armv8-a"
+    assert expected == "torch" or expected.startswith("native/x86-64") or expected == "native/armv8-a"
     assert server.state()["operators"] == {"paged_attention": expected, "lora": expected}
     for operator in ("paged_attention", "lora"):
         assert server.metric("loraplex_engine_operator_path", f'{{operator="{operator}",path="{expected}"}}') == 1
