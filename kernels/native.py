@@ -262,7 +262,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     dest = args.dest or (Path(configured) if configured else PACKAGE_DIR)
     levels = _chosen(args.levels)
     if not levels:
-        print(f"warning: this CPU ({platform.machine()}) has no level to build for; the torch paths serve")
+        print(
+            f"warning: this CPU ({platform.machine()}) has no level to build for; the torch paths serve",
+            file=sys.stderr,
+        )
         return
     for level in levels:
         try:

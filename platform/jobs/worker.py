@@ -14,7 +14,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -69,7 +69,7 @@ class Handler(Protocol):
 @dataclass
 class _Running:
     task: asyncio.Task[None]
-    context: JobContext = field(default_factory=JobContext)
+    context: JobContext
 
 
 def worker_name() -> str:
@@ -142,9 +142,10 @@ class JobWorker:
                     logger.exception("could not claim jobs")
                     jobs = []
                 for job in jobs:
-                    running = _Running(asyncio.create_task(self._execute(job)))
-                    self._running[job.id] = running
-                    running.task.add_done_callback(self._forget(job.id))
+                    context = JobContext()
+                    task = asyncio.create_task(self._execute(job, context))
+                    self._running[job.id] = _Running(task, context)  # before the task first runs
+                    task.add_done_callback(self._forget(job.id))
                 if len(jobs) == free:
                     continue  # there may be more due
             with contextlib.suppress(TimeoutError):
@@ -159,9 +160,7 @@ class JobWorker:
             await session.commit()
         return bool(done)
 
-    async def _execute(self, job: Job) -> None:
-        await asyncio.sleep(0)  # registered in _running before it can end
-        context = self._running[job.id].context
+    async def _execute(self, job: Job, context: JobContext) -> None:
         handler = self.handlers[job.kind]
         if job.attempts > job.max_attempts:
             with contextlib.suppress(Exception):
