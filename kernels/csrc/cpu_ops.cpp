@@ -251,6 +251,82 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   });
 }
 
+namespace {
+
+#if defined(__AVX512F__)
+inline __m512 load_head(const float* p, int64_t k, int64_t n) {
+  return n - k >= 16 ? _mm512_loadu_ps(p + k) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (n - k)) - 1), p + k);
+}
+#endif
+
+// h[t * rank + j] = x_t . a_j for the segment's `rows` tokens (x_t at x + t * x_stride) and A's `rank` rows. Decode
+// segments are a few tokens, and their adapters' weights come from memory, not cache: with AVX-512 each 16-float
+// piece of a row of A is loaded once for four tokens (four independent sums, so no FMA waits on the one before).
+inline void shrink_rows(const float* x, int64_t x_stride, int64_t rows, const float* a, int64_t rank, int64_t in,
+                        float* h) {
+#if defined(__AVX512F__)
+  for (int64_t t0 = 0; t0 < rows; t0 += 4) {
+    const int64_t n = std::min<int64_t>(4, rows - t0);
+    const float* x0 = x + t0 * x_stride;
+    const float* x1 = x + (t0 + std::min<int64_t>(1, n - 1)) * x_stride;
+    const float* x2 = x + (t0 + std::min<int64_t>(2, n - 1)) * x_stride;
+    const float* x3 = x + (t0 + std::min<int64_t>(3, n - 1)) * x_stride;
+    for (int64_t j = 0; j < rank; ++j) {
+      const float* aj = a + j * in;
+      __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+      for (int64_t k = 0; k < in; k += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(aj + in + k), _MM_HINT_T0);  // the next row, across pages
+        const __m512 av = load_head(aj, k, in);
+        s0 = _mm512_fmadd_ps(load_head(x0, k, in), av, s0);
+        s1 = _mm512_fmadd_ps(load_head(x1, k, in), av, s1);
+        s2 = _mm512_fmadd_ps(load_head(x2, k, in), av, s2);
+        s3 = _mm512_fmadd_ps(load_head(x3, k, in), av, s3);
+      }
+      const float sums[4] = {_mm512_reduce_add_ps(s0), _mm512_reduce_add_ps(s1), _mm512_reduce_add_ps(s2),
+                             _mm512_reduce_add_ps(s3)};
+      for (int64_t i = 0; i < n; ++i) h[(t0 + i) * rank + j] = sums[i];
+    }
+  }
+#else
+  for (int64_t j = 0; j < rank; ++j) {
+    for (int64_t t = 0; t < rows; ++t) h[t * rank + j] = dot(x + t * x_stride, a + j * in, in);
+  }
+#endif
+}
+
+// y_t[0:out] += sum_j h[t * h_stride + j] * bt_j for the segment's tokens (y_t at y + t * y_stride) and B^T's
+// `rank` rows of `out`. Four rows of B^T at a time: a token's outputs are read and written once per four rows, not
+// once per row.
+inline void expand_rows(float* y, int64_t y_stride, int64_t rows, const float* bt, int64_t rank, int64_t out,
+                        const float* h, int64_t h_stride) {
+  int64_t j = 0;
+  for (; j + 4 <= rank; j += 4) {
+    const float* b0 = bt + j * out;
+    const float* b1 = b0 + out;
+    const float* b2 = b1 + out;
+    const float* b3 = b2 + out;
+#if defined(__AVX512F__)
+    for (int64_t k = 0; k < out; k += 16) {  // the next four rows, ahead of the loads that need them
+      for (const float* next : {b0 + 4 * out, b1 + 4 * out, b2 + 4 * out, b3 + 4 * out}) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + k), _MM_HINT_T1);
+      }
+    }
+#endif
+    for (int64_t t = 0; t < rows; ++t) {
+      const float* ht = h + t * h_stride + j;
+      const float h0 = ht[0], h1 = ht[1], h2 = ht[2], h3 = ht[3];
+      float* __restrict yt = y + t * y_stride;
+#pragma omp simd
+      for (int64_t k = 0; k < out; ++k) yt[k] += h0 * b0[k] + h1 * b1[k] + h2 * b2[k] + h3 * b3[k];
+    }
+  }
+  for (; j < rank; ++j) {
+    for (int64_t t = 0; t < rows; ++t) axpy(y + t * y_stride, bt + j * out, h[t * h_stride + j], out);
+  }
+}
+
+}  // namespace
+
 // y[start:end, out_start_m:out_end_m] += (x[start:end] @ A^T)[:, hcol_m : hcol_m + rank_m] @ Bt_m for each segment
 // (start, end, slot) and each module m of one fused projection, the adapters' matrices read from the pool:
 // A [rank, in] at weights[base[slot] + a_offsets[slot]], Bt_m [rank_m, out_m] (B^T, already scaled) at
@@ -319,22 +395,14 @@ void lora_add(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight
       h.assign(rows * rank, 0.f);
       const float* a = w + base[slot] + a_off[slot];
       // Shrink: each row of A is read once and used by every token of the segment.
-      for (int64_t j = 0; j < rank; ++j) {
-        const float* aj = a + j * in_features;
-        for (int64_t t = 0; t < rows; ++t) h[t * rank + j] = dot(xp + (start + t) * x_stride, aj, in_features);
-      }
+      shrink_rows(xp + start * x_stride, x_stride, rows, a, rank, in_features, h.data());
       for (int64_t m = 0; m < num_modules; ++m) {
         const int64_t* entry = mods + (m * num_slots + slot) * 3;
         const int64_t rank_m = entry[1], col = entry[2], out_start = outs[2 * m];
         const int64_t out_m = outs[2 * m + 1] - out_start;
         const float* bt = w + base[slot] + entry[0];
         // Expand: each row of B^T is read once and added to every token's output.
-        for (int64_t j = 0; j < rank_m; ++j) {
-          const float* btj = bt + j * out_m;
-          for (int64_t t = 0; t < rows; ++t) {
-            axpy(yp + (start + t) * y_stride + out_start, btj, h[t * rank + col + j], out_m);
-          }
-        }
+        expand_rows(yp + start * y_stride + out_start, y_stride, rows, bt, rank_m, out_m, h.data() + col, rank);
       }
     }
   };
