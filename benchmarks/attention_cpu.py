@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from serve_launch import machine
 
 from loraplex.kernels.paged_attention import paged_attention_torch
 
@@ -149,7 +149,7 @@ def main() -> None:
         "repeats": args.repeats,
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": platform.machine(),
+        "machine": machine(args.threads),
         "results": results,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import platform
 import random
 import statistics
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from serve_launch import machine
 
 from loraplex.engine import SamplingParams
 from loraplex.engine.core.config import EngineConfig
@@ -170,7 +170,7 @@ def main() -> None:
     medians = {mode: {field: median(mode, field) for field in fields} for mode in runs}
     medians["vtc"]["b_share"] = statistics.median(r["share"]["B"] for r in runs["vtc"])
     result: dict[str, Any] = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
+        "machine": machine(args.threads),
         "load": dataclasses.asdict(load),
         "repeats": args.repeats,
         "runs": {**runs, "b_alone": alone},

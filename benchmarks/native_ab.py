@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import tempfile
 import time
 import types
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from engine_throughput import make_workload
 from lora_throughput import NUM_ADAPTERS, make_adapters, popularity
+from serve_launch import machine
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.model.config import ModelConfig
@@ -95,7 +95,7 @@ def main() -> None:
     }
     summary["lora_over_base"] = {state: summary["lora"][state] / summary["base"][state] for state in ("off", "on")}
     document = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
+        "machine": machine(args.threads),
         "torch": torch.__version__,
         "workload": {"requests": len(workload.prompts), "useful_output_tokens": workload.useful_tokens},
         "adapters": NUM_ADAPTERS,

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import platform
 import random
 import statistics
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from serve_launch import machine
 
 from loraplex.engine import SamplingParams
 from loraplex.engine.core.config import EngineConfig
@@ -187,7 +187,7 @@ def main() -> None:
             for caching in (True, False)
         }
     result: dict[str, Any] = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
+        "machine": machine(args.threads),
         "trace": {
             "tenants": NUM_TENANTS,
             "conversations": len(trace),

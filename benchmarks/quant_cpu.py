@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
@@ -47,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from serve_launch import machine
 
 from loraplex.kernels import quant_int4, quant_int8
 from loraplex.kernels.quant import (
@@ -226,7 +226,7 @@ def main() -> None:
         "repeats": args.repeats,
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": platform.machine(),
+        "machine": machine(args.threads),
         "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
         "results": results,
     }

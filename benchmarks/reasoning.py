@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from serve_launch import machine
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.core.reasoning_config import ReasoningConfig
@@ -133,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     result: dict[str, Any] = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
+        "machine": machine(args.threads),
         "torch": torch.__version__,
         "tiers": tiers(),
         "overhead": overhead(args.repeats),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 SHAPE_ERRORS = (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError, AttributeError)
 
 PYTHON = ".venv/bin/python"
+MACHINES = "machines"  # results/machines/<kind>/<name>.json: the last result of each kind of machine
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,21 +122,38 @@ class Results:
 
     def _read(self, name: str) -> dict[str, Any] | None:
         path = self.path(name)
-        try:
-            document = json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as exc:
-            logger.warning("%s: not read (%s)", path, exc)
-            return None
-        if not isinstance(document, dict):
-            logger.warning("%s: not a JSON object", path)
-            return None
-        return document
+        return _read_document(path) if path.exists() else None
 
     def names(self) -> list[str]:
         """The results files present, by name."""
         return sorted(p.stem for p in self.directory.glob("*.json") if self.get(p.stem) is not None)
+
+    def kinds(self, name: str) -> list[tuple[str, dict[str, Any]]]:
+        """(machine kind, document) of `name`: the results file itself first, then the last one kept of each other
+        kind of machine (`machines/<kind>/<name>.json`, written by `keep`), by kind."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        if (current := self.get(name)) is not None:
+            found.append((machine_kind(current), current))
+        kept = []
+        for path in sorted((self.directory / MACHINES).glob(f"*/{name}.json")):
+            document = _read_document(path)
+            if document is not None and (kind := machine_kind(document)) not in (k for k, _ in found):
+                kept.append((kind, document))
+        return found + sorted(kept, key=lambda entry: entry[0])
+
+    def keep(self, name: str) -> Path | None:
+        """Keep the results file as its machine kind's last (`machines/<kind slug>/<name>.json`), where the file
+        records its kind: the headline keeps a row per kind of machine measured. Returns the copy's path."""
+        document = self.get(name)
+        if document is None or not isinstance(document.get("machine"), dict) or not document["machine"].get("kind"):
+            return None
+        slug = re.sub(r"[^a-z0-9]+", "-", str(document["machine"]["kind"]).lower()).strip("-")
+        target = self.directory / MACHINES / slug / f"{name}.json"
+        text = self.path(name).read_text()
+        if not target.exists() or target.read_text() != text:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+        return target
 
     def provenance(self, name: str) -> Provenance:
         document = self.get(name) or {}
@@ -145,6 +164,41 @@ class Results:
         if not commit:
             commit, date, committed = _git_last_commit(self.path(name))
         return Provenance(machine_words(document), commit, date, committed)
+
+
+def machine_kind(document: dict[str, Any]) -> str:
+    """The kind of machine a results file was measured on, as the headline names it: the `kind` recorded
+    (benchmarks/serve_launch.py's machine()), else what older files recorded: the CPU's vendor and family and its
+    SIMD level, saying that the level and AMX were not."""
+    recorded = document.get("machine")
+    machine: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
+    if kind := machine.get("kind"):
+        return str(kind)
+    cpu = machine.get("cpu_model") or machine.get("cpu") or (recorded if isinstance(recorded, str) else None)
+    if not cpu:
+        return "machine not recorded"
+    family = cpu_family(str(cpu))
+    capability = machine.get("cpu_capability") or document.get("cpu_capability")
+    return f"{family}, {capability} (level and AMX not recorded)" if capability else f"{family} (level not recorded)"
+
+
+def cpu_family(model: str) -> str:
+    """The vendor and family of a CPU model name ("Intel Xeon", "AMD EPYC"): the rest of the name (model number,
+    frequency, "(R)" marks) varies within a kind."""
+    words = [w for w in model.replace("(R)", "").replace("(TM)", "").split() if w not in ("Processor", "CPU")]
+    return " ".join(words[:2]) if words else "unknown CPU"
+
+
+def _read_document(path: Path) -> dict[str, Any] | None:
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        logger.warning("%s: not read (%s)", path, exc)
+        return None
+    if not isinstance(document, dict):
+        logger.warning("%s: not a JSON object", path)
+        return None
+    return document
 
 
 def machine_words(document: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from report_data import cpu_family
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +41,35 @@ def cpu_model() -> str:
 
 def machine(threads: int) -> dict[str, Any]:
     """What a results file records of the machine: architecture, CPU model, the vector extensions torch's CPU
-    kernels use, threads, torch."""
+    kernels use, the instruction-set level the native operators run at here (kernels/native.py: the best level
+    this CPU has, and the one loaded), whether the CPU has AMX tiles, a `kind` naming all three in a few words (the
+    headline table's row), threads, torch."""
     import torch  # here, not at import: the load generators that import this module need no torch
 
+    from loraplex.kernels import native
+
+    features = native.cpu_features()
+    levels = native.levels_for(platform.machine(), features)
+    isa_level = levels[0].name if levels else platform.machine()
+    amx = "amx_tile" in features
+    model = cpu_model()
     return {
         "cpu": platform.processor() or platform.machine(),
-        "cpu_model": cpu_model(),
+        "cpu_model": model,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa_level": isa_level,
+        "native_level": native.status().level,
+        "amx": amx,
+        "kind": cpu_kind(model, isa_level, amx=amx),
         "threads": threads,
         "torch": torch.__version__,
     }
+
+
+def cpu_kind(model: str, isa_level: str, *, amx: bool) -> str:
+    """A machine kind in a few words, e.g. "Intel Xeon, x86-64-v4-bf16, AMX": the CPU's vendor and family, the
+    level, AMX or not."""
+    return f"{cpu_family(model)}, {isa_level}, {'AMX' if amx else 'no AMX'}"
 
 
 def free_port() -> int:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from serve_launch import machine
 
 from loraplex.kernels.sgmv import sgmv_expand_torch, sgmv_shrink_torch
 
@@ -287,7 +287,7 @@ def main() -> None:
         "repeats": args.repeats,
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": platform.machine(),
+        "machine": machine(args.threads),
         "results": results,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

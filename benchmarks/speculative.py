@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from serve_launch import machine
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.core.speculative_config import SpeculativeConfig
@@ -199,7 +200,7 @@ def main() -> None:
         },
         "repeats": args.repeats,
         "threads": args.threads,
-        "machine": {"processor": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "machine": {**machine(args.threads), "python": platform.python_version()},
         "torch": torch.__version__,
         "rows": rows,
     }

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 from engine_throughput import make_workload
+from serve_launch import machine
 
 import loraplex.engine.core.engine_core as engine_core_module
 import loraplex.engine.core.sampler as sampler_module
@@ -160,7 +160,7 @@ def main() -> None:
         for mode, values in runs.items()
     }
     result = {
-        "machine": {"cpu": platform.machine(), "threads": args.threads, "torch": torch.__version__},
+        "machine": machine(args.threads),
         "workload": {"requests": len(workload.prompts), "useful_output_tokens": workload.useful_tokens},
         "vocab": config.vocab_size,
         "schema": ENDLESS,

@@ -25,7 +25,7 @@ runs in a process of its own with `--threads` torch threads; the sweeps use the 
 larger adapter counts. Every request is greedy and held to its max_tokens (ignore_eos). Writes
 benchmarks/results/suite.json (`--out`) and prints a summary.
 
-The result file (benchmarks/report_suite.py reads it): machine {cpu, cpu_model, cpu_capability, threads, torch}, commit
+The result file (benchmarks/report_suite.py reads it): machine (serve_launch.machine: cpu, cpu_model, kind, ...), commit
 (-dirty when tracked files differ), date, duration_s, quick, models {small, large (null when not run)}: {parameters,
 hidden, layers}; headline [{model, trace, loraplex, naive_online, peft_offline {best_batch_size, output_tokens_per_s,
 by_batch_size}, loraplex_over_naive, loraplex_over_peft_offline (null when the peer produced nothing)}]; sweeps

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import report
+import report_data
 from report_data import BENCHMARKS
 from serve import summary_document
 from serve_stats import RequestRecord, Slo, summarize
@@ -267,3 +268,39 @@ def test_a_peer_that_served_nothing_shows_a_dash_not_a_ratio(tmp_path: Path, out
 
     assert any("naive online server" in r and "| **—** |" in r for r in headline_rows(page))
     assert "| naive online | 0 | 0.00 | — / — | — / — | 200 |" in page
+
+
+def with_kind(document: dict[str, Any], kind: str, lora_over_base: float) -> dict[str, Any]:
+    return {**document, "machine": {**(document.get("machine") or {}), "kind": kind}, "lora_over_base": lora_over_base}
+
+
+def test_the_headline_keeps_a_row_per_kind_of_machine(tmp_path: Path, out: tuple[Path, Path]) -> None:
+    page_path, plots = out
+    directory = results_dir(tmp_path, suite_document())
+    lora = json.loads((directory / "lora_throughput.json").read_text())
+    (directory / "lora_throughput.json").write_text(
+        json.dumps(with_kind(lora, "Intel Xeon, x86-64-v4-bf16, AMX", 0.61))
+    )
+    for slug, kind, ratio in [
+        ("amd-epyc-x86-64-v4-bf16-no-amx", "AMD EPYC, x86-64-v4-bf16, no AMX", 0.87),
+        ("intel-xeon-x86-64-v4-bf16-amx", "Intel Xeon, x86-64-v4-bf16, AMX", 0.5),  # older than the file itself
+    ]:
+        (directory / "machines" / slug).mkdir(parents=True)
+        (directory / "machines" / slug / "lora_throughput.json").write_text(json.dumps(with_kind(lora, kind, ratio)))
+
+    report.write_report(directory, page_path, plots)
+
+    rows = [r for r in headline_rows(page_path.read_text()) if r.startswith("| with adapters / base model only")]
+    assert len(rows) == 2
+    assert "**0.61**" in rows[0] and "| Intel Xeon, x86-64-v4-bf16, AMX |" in rows[0]
+    assert "**0.87**" in rows[1] and "| AMD EPYC, x86-64-v4-bf16, no AMX |" in rows[1]
+    kept = json.loads((directory / "machines" / "intel-xeon-x86-64-v4-bf16-amx" / "lora_throughput.json").read_text())
+    assert kept["lora_over_base"] == 0.61  # the new run replaced its kind's last
+
+
+def test_a_file_without_a_recorded_kind_is_named_by_what_it_recorded() -> None:
+    old = {"machine": {"cpu": "x86_64", "cpu_model": "AMD EPYC", "cpu_capability": "AVX512"}}
+    assert report_data.machine_kind(old) == "AMD EPYC, AVX512 (level and AMX not recorded)"
+    assert report_data.machine_kind({"machine": "x86_64"}) == "x86_64 (level not recorded)"
+    assert report_data.machine_kind({}) == "machine not recorded"
+    assert report_data.cpu_family("Intel(R) Xeon(R) Platinum 8488C") == "Intel Xeon"

@@ -175,7 +175,17 @@ def test_the_quick_suite_writes_the_documented_result_file(tmp_path: Path) -> No
     suite.main(["--quick", "--only", "pool_budget,rank_mix", "--out", str(out), "--no-progress"])
     document = json.loads(out.read_text())
     assert set(document) >= {"machine", "commit", "date", "duration_s", "quick", "models", "headline", "sweeps"}
-    assert set(document["machine"]) == {"cpu", "cpu_model", "cpu_capability", "threads", "torch"}
+    assert set(document["machine"]) == {
+        "cpu",
+        "cpu_model",
+        "cpu_capability",
+        "isa_level",
+        "native_level",
+        "amx",
+        "kind",
+        "threads",
+        "torch",
+    }
     assert document["quick"] is True and document["headline"] == []
     datetime.datetime.fromisoformat(document["date"])
     assert document["models"]["large"] is None
