@@ -15,7 +15,7 @@ import report_platform
 import report_plots
 import report_protocols
 import report_suite
-from report_data import PYTHON, Results, mib, ms, num, pct, table, writes, x
+from report_data import PYTHON, Results, machine_kind, mib, ms, num, pct, table, writes, x
 from report_plots import Plots
 
 Render = Callable[[dict[str, Any], Results, Plots], list[str]]
@@ -52,16 +52,17 @@ def engine(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
         "",
     ]
     rows = []
-    llama_ratio = doc.get("loraplex_over_transformers")
+    # A family's ratio is over Llama's measured on the same kind of machine (the last of each kind is kept).
+    llama_ratios = {kind: run.get("loraplex_over_transformers") for kind, run in results.kinds("engine_throughput")}
     family_ratios: list[str] = []
     for name in ("engine_throughput", "engine_throughput_bfloat16", *FAMILY_RUNS):
         run = doc if name == "engine_throughput" else results.get(name)
         if run is None or run.get("transformers") is None:
             continue
         transformers = run["transformers"]
-        family = run["model"].get("family", "llama")
-        if family != "llama" and llama_ratio:
-            family_ratios.append(f"{family} {run['loraplex_over_transformers'] / llama_ratio:.2f}")
+        family, kind = run["model"].get("family", "llama"), machine_kind(run)
+        if family != "llama" and (llama_ratio := llama_ratios.get(kind)):
+            family_ratios.append(f"{family} {run['loraplex_over_transformers'] / llama_ratio:.2f} ({kind})")
         rows.append(
             [
                 f"{family}, {run['model']['dtype']}",
@@ -69,14 +70,16 @@ def engine(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
                 f"{num(transformers['best_tokens_per_s'])} (batch {transformers['best_batch_size']})",
                 f"**{x(run['loraplex_over_transformers'])}**",
                 f"{run['loraplex_fraction_of_limit']:.2f}",
+                kind,
             ]
         )
     header = ["model, weights", "loraplex tok/s", "transformers tok/s (best batch)", "loraplex / transformers"]
-    lines += table([*header, "fraction of the compute limit"], rows)
+    lines += table([*header, "fraction of the compute limit", "machine"], rows)
     if family_ratios:
         lines += [
             "",
-            "Other families: random checkpoints of this shape written by transformers; their ratio over Llama's: "
+            "Other families: random checkpoints of this shape written by transformers; their ratio over Llama's on "
+            "the same kind of machine: "
             + ", ".join(family_ratios)
             + f" (`{PYTHON} benchmarks/engine_throughput.py --family <family> --batch-sizes 32`).",
         ]
