@@ -133,12 +133,14 @@ async def run(model_dir: Path, load: Load, mode: str, seed: int = 0) -> dict[str
         "b_ttft_p50_s": statistics.median(ttfts),
         "b_ttft_p95_s": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.95))],
         "b_ttft_max_s": ttfts[-1],
+        "b_ttfts_s": [round(t, 4) for t in ttfts],
         "tokens_served": served,
         "share": {tenant: (n / total if total else 0.0) for tenant, n in served.items()},
         "tokens_per_s": total / window,
         "engine_tokens_per_step": (state_at_end.num_batched_tokens - state_at_start.num_batched_tokens)
         / max(1, state_at_end.num_steps - state_at_start.num_steps),
         "engine_steps_per_s": (state_at_end.num_steps - state_at_start.num_steps) / window,
+        "interleaved_steps": state_at_end.num_interleaved_steps - state_at_start.num_interleaved_steps,
         "b_drained_after_window_s": drained - window_end,
     }
 
@@ -152,9 +154,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--duration", type=float, default=Load.duration_s, help="Seconds of B's arrivals measured.")
     parser.add_argument("--repeats", type=int, default=1, help="fcfs and vtc runs, alternated; medians reported.")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=Load.max_num_batched_tokens)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    load = Load(duration_s=args.duration)
+    load = Load(duration_s=args.duration, max_num_batched_tokens=args.max_num_batched_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_model(Path(tmp) / "model", dataclasses.replace(BENCHMARK_SPEC, torch_dtype="float32"))
         runs: dict[str, list[dict[str, Any]]] = {"fcfs": [], "vtc": []}

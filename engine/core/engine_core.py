@@ -38,7 +38,7 @@ from loraplex.engine.core.row_sampler import RowSampler
 from loraplex.engine.core.runner import ModelRunner
 from loraplex.engine.core.sampler import Sampler, TokenLogprobs
 from loraplex.engine.core.sampling_params import SamplingParams
-from loraplex.engine.core.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.engine.core.speculator import Speculator
 from loraplex.engine.core.structured_output import CompiledGrammar, GrammarCompiler, GrammarState
 from loraplex.engine.errors import ContextLengthExceeded, RequestError
@@ -120,6 +120,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_batched_tokens = 0
         self.num_preemptions = 0
+        self.num_interleaved_steps = 0  # steps run inside another (step's `arrivals`)
         default_generator = torch.Generator(device=self.device)
         default_generator.manual_seed(config.seed)
         self.row_sampler = RowSampler(
@@ -469,11 +470,23 @@ class EngineCore:
         """Name and content digest of an adapter (reads its files to hash them; any thread may call it)."""
         return self.adapters.resolve(lora.name, lora.path)
 
-    def step(self) -> list[RequestOutput]:
+    def step(
+        self,
+        arrivals: Callable[[], bool] | None = None,
+        deliver: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
         """Run one step; outputs of every request that got a new token or finished. Raises WorkerFailed once a
-        tensor-parallel rank has died."""
+        tensor-parallel rank has died.
+
+        Interleaved steps (issue 37; docs/decisions/0053): with `arrivals` (adds the requests submitted since it was
+        last called; True if there were any) and `deliver`, a step that computes a prompt chunk longer than the
+        scheduler's yielded limit asks for arrivals between its layers. When a newcomer of another, at least as
+        urgent, key can start, a short step of the newcomers runs there (Scheduler.schedule_within), to its
+        end, its outputs handed to `deliver` at once; then the paused step goes on from the next layer. The short step
+        writes K/V only into its own requests' pages and the paused step's requests are left as they are, so both
+        compute exactly what they would apart. Not under tensor parallelism (the other ranks run one forward at a
+        time in lockstep) nor with a speculator (its proposals are made for the step as scheduled)."""
         self.check_workers()
-        started = time.perf_counter()
         outputs = self._fail_requests_of(self.adapters.poll())
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
@@ -481,8 +494,39 @@ class EngineCore:
             if not outputs and self.scheduler.waiting:
                 self.adapters.wait_for_loads(timeout=0.01)  # nothing runnable: the queue waits on adapter loads
             return outputs
+        outputs += self._run(sched, self._interleaver(sched, arrivals, deliver))
+        return outputs
+
+    def _interleaver(
+        self,
+        outer: SchedulerOutput,
+        arrivals: Callable[[], bool] | None,
+        deliver: Callable[[RequestOutput], None] | None,
+    ) -> Callable[[], None] | None:
+        """What `outer`'s forward calls between its layers (see `step`), or None where no step may run inside it."""
+        if arrivals is None or deliver is None or self.workers is not None or self.scheduler.speculator is not None:
+            return None
+        if not self.scheduler.may_interleave(outer):
+            return None
+
+        def between_layers() -> None:
+            if not arrivals():
+                return
+            inner = self.scheduler.schedule_within(outer)
+            if inner.is_empty:
+                return
+            self.num_interleaved_steps += 1
+            for output in self._run(inner, None):
+                deliver(output)
+
+        return between_layers
+
+    def _run(self, sched: SchedulerOutput, between_layers: Callable[[], None] | None) -> list[RequestOutput]:
+        """Compute a scheduled step, sample its rows and book them; their outputs."""
+        started = time.perf_counter()
+        outputs: list[RequestOutput] = []
         prepared = self.runner.prepare(sched)
-        logits = self.runner.execute(prepared)
+        logits = self.runner.execute(prepared, between_layers)
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
         self.num_batched_tokens += sched.num_batched_tokens

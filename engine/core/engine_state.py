@@ -24,6 +24,7 @@ class EngineState:
     pool: PoolUsage
     num_preemptions: int
     num_steps: int
+    num_interleaved_steps: int = 0  # of those, steps run inside another, for a newcomer (EngineCore.step)
     prefix_cache_blocks: int = 0  # full blocks the prefix cache knows (in use or evictable)
     prefix_cache_queried_tokens: int = 0  # prompt tokens of admitted requests, since start
     prefix_cache_hit_tokens: int = 0  # of those, served from the cache
@@ -51,6 +52,7 @@ def snapshot(core: EngineCore) -> EngineState:
         pool=core.pool.usage(),
         num_preemptions=core.num_preemptions,
         num_steps=core.num_steps,
+        num_interleaved_steps=core.num_interleaved_steps,
         prefix_cache_blocks=cache.num_blocks if cache is not None else 0,
         prefix_cache_queried_tokens=cache.stats.queried_tokens if cache is not None else 0,
         prefix_cache_hit_tokens=cache.stats.hit_tokens if cache is not None else 0,

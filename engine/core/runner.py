@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,11 +105,13 @@ class ModelRunner:
             pooled_rows=pooled_rows,
         )
 
-    def execute(self, step: PreparedStep) -> torch.Tensor:
-        """float32 logits [step.logits_offsets[-1], vocab]: the sampling requests' rows, in order."""
+    def execute(self, step: PreparedStep, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """float32 logits [step.logits_offsets[-1], vocab]: the sampling requests' rows, in order. `between_layers`
+        (DecoderModel.forward) only without tensor-parallel workers, whose forwards run in step with this one's."""
         if self.workers is not None:
+            assert between_layers is None, "the other ranks cannot run a step inside this one"
             self.workers.send(step.host)
-        hidden = self.model.forward(step.batch, self.kv_caches)
+        hidden = self.model.forward(step.batch, self.kv_caches, between_layers)
         for request, first, end, position in step.pooled_rows:
             assert request.pooling is not None
             request.pooling.add(hidden[first:end], position)

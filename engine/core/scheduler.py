@@ -252,6 +252,30 @@ class Scheduler:
             self._speculate(out, self.speculator)
         return out
 
+    def may_interleave(self, out: SchedulerOutput) -> bool:
+        """Whether a step is long enough to pause between its layers for a newcomer (EngineCore's interleaved
+        steps): under the fair policy, one with more tokens than a yielded step's prefill gets."""
+        return not self._fcfs and out.num_batched_tokens > self.config.yielded_prefill_limit
+
+    def schedule_within(self, outer: SchedulerOutput) -> SchedulerOutput:
+        """A short step to run inside `outer`, between two of its layers: waiting requests start, most urgent
+        first, with at most `yielded_prefill_limit` tokens, while they are at least as urgent as every key with a
+        prompt chunk in `outer` and of none of those keys. Nothing of `outer` is touched: its requests are neither
+        scheduled again nor preempted, and a newcomer that does not fit in the free pages and sequence slots
+        waits for the next step."""
+        out = SchedulerOutput()
+        ranks = {
+            s.request.fairness_key: self._urgency(s.request)
+            for s in outer.scheduled
+            if s.num_new_tokens > 1 + len(s.spec_token_ids)
+        }
+        if self._fcfs or not ranks or not self.waiting:
+            return out
+        limit = self.config.yielded_prefill_limit
+        budget = self._admit(out, limit, held_keys=set(ranks), most=min(ranks.values()))
+        out.num_batched_tokens = limit - budget
+        return out
+
     def _grow_running(self, out: SchedulerOutput, budget: int) -> int:
         """Schedule the running requests in order, preempting the least urgent when one cannot grow; the budget
         left."""
@@ -344,10 +368,16 @@ class Scheduler:
         index = max(candidates, key=lambda j: (*self._urgency(self.running[j]), j))
         return self.running[index]
 
-    def _admit(self, out: SchedulerOutput, budget: int, held_keys: set[str] | frozenset[str] = frozenset()) -> int:
+    def _admit(
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        held_keys: set[str] | frozenset[str] = frozenset(),
+        most: tuple[int, float] | None = None,
+    ) -> int:
         """Start waiting requests in arrival order while budget, sequence slots and pages last. Requests of
         `held_keys` (keys whose running prompts were deferred to these admissions) wait: their running prompts go on
-        before anything new of theirs starts.
+        before anything new of theirs starts. With `most`, admission stops at the first request less urgent than it.
 
         A request whose adapter is still loading is passed over (so resident adapters' requests go first and the load
         never stalls the queue), and so is one waiting for another choice of its prompt to be prefilled
@@ -374,6 +404,8 @@ class Scheduler:
             if request.fairness_key in held_keys:
                 passed_over.add(id(request))
                 continue
+            if most is not None and self._urgency(request) > most:
+                break  # the most urgent left (or, in queue order, all of one rank): none after it qualifies
             digest = request.adapter_digest
             new_adapter = digest is not None and digest not in self._running_adapters
             if new_adapter and len(self._running_adapters) >= self.config.max_adapters_per_batch:

@@ -19,6 +19,8 @@ is then the rank's local config (its heads and MLP slice), `checkpoint_config` t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -141,9 +143,12 @@ class DecoderModel:
     # --- forward -------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVLayer]) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[KVLayer], between_layers: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         """Run the decoder over the batch's tokens, writing their K/V into the cache; returns the final-normed
-        hidden states [num_tokens, hidden]."""
+        hidden states [num_tokens, hidden]. `between_layers` is called after every layer: the engine may run
+        another step there (EngineCore, interleaved steps), which writes only its own requests' pages."""
         c = self.config
         hidden = self._embed(batch.input_ids)
         if c.embed_scale is not None:
@@ -194,6 +199,8 @@ class DecoderModel:
                 (index, "down"),
                 batch,
             )
+            if between_layers is not None:
+                between_layers()
         return rms_norm(hidden, self.norm, c.rms_norm_eps, c.norm_kind)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar, Unpack
@@ -194,6 +195,8 @@ class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        # Commands taken off the queue inside a step (_take_arrivals) that must wait for its end, in order.
+        self._held: deque[_Add | _Abort | _Call | None] = deque()
         self._wakeup = threading.Event()
         self._sinks: dict[str, _Sink] = {}
         self._ids = itertools.count()
@@ -399,7 +402,7 @@ class AsyncEngine:
                     self._wakeup.clear()
                     self._last_work = (time.monotonic(), self._last_work[1])  # idle time is no slow work
                     continue
-                for output in self.core.step():
+                for output in self.core.step(arrivals=self._take_arrivals, deliver=self._deliver):
                     self._deliver(output)
                 self._snapshot()
         except BaseException as exc:
@@ -447,19 +450,23 @@ class AsyncEngine:
     def _fail_queued_calls(self, error: BaseException) -> None:
         while True:
             try:
-                command = self._commands.get_nowait()
+                command = self._held.popleft() if self._held else self._commands.get_nowait()
             except queue.Empty:
                 return
             if isinstance(command, _Call):
                 command.answer(error)
 
     def _drain_commands(self) -> bool:
-        """Apply queued adds, aborts and unloads; False once shutdown was asked for."""
+        """Apply queued adds, aborts and unloads (those held during the last step first); False once shutdown was
+        asked for."""
         while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
+            if self._held:
+                command = self._held.popleft()
+            else:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    return True
             if command is None:
                 self._fail_queued_calls(EngineDeadError("the engine has shut down"))
                 return False
@@ -477,26 +484,45 @@ class AsyncEngine:
                 if output is not None and sink is not None:
                     sink.put(output)
                 continue
-            num_requests, num_tokens = self._drained
-            self._drained = (num_requests + 1, num_tokens + len(command.checked.token_ids))
+            self._add(command)
+
+    def _take_arrivals(self) -> bool:
+        """Inside a step, between two of its layers (EngineCore.step's `arrivals`): queue the requests submitted
+        since; True if there were any. Aborts, calls and shutdown change what the running step reads, so they wait
+        for its end, and so does every command behind one (the order of commands is kept)."""
+        took = False
+        while True:
             try:
-                request = self.core.add_request(
-                    command.request_id,
-                    command.checked,
-                    prompt=command.prompt,
-                    lora=command.lora,
-                    cache_salt=command.cache_salt,
-                    prefill_after=command.prefill_after,
-                    fairness_key=command.fairness_key,
-                    fairness_weight=command.fairness_weight,
-                    priority=command.priority,
-                    pooling=command.pooling,
-                )
-            except Exception as exc:  # a request the checks on the loop let through (duplicate id): fail only it
-                command.sink.put(exc)
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return took
+            if self._held or not isinstance(command, _Add):
+                self._held.append(command)
                 continue
-            command.sink.adapter = request.adapter
-            self._sinks[command.request_id] = command.sink
+            self._add(command)
+            took = True
+
+    def _add(self, command: _Add) -> None:
+        num_requests, num_tokens = self._drained
+        self._drained = (num_requests + 1, num_tokens + len(command.checked.token_ids))
+        try:
+            request = self.core.add_request(
+                command.request_id,
+                command.checked,
+                prompt=command.prompt,
+                lora=command.lora,
+                cache_salt=command.cache_salt,
+                prefill_after=command.prefill_after,
+                fairness_key=command.fairness_key,
+                fairness_weight=command.fairness_weight,
+                priority=command.priority,
+                pooling=command.pooling,
+            )
+        except Exception as exc:  # a request the checks on the loop let through (duplicate id): fail only it
+            command.sink.put(exc)
+            return
+        command.sink.adapter = request.adapter
+        self._sinks[command.request_id] = command.sink
 
     def _deliver(self, output: RequestOutput) -> None:
         sink = self._sinks.get(output.request_id)

@@ -100,6 +100,11 @@ class _StateCollector(Collector):
             f"{_PREFIX}_preemptions", "Requests preempted (recomputed later) for lack of pages.", state.num_preemptions
         )
         yield CounterMetricFamily(f"{_PREFIX}_steps", "Engine steps run.", state.num_steps)
+        yield CounterMetricFamily(
+            f"{_PREFIX}_interleaved_steps",
+            "Of the steps, those run between two layers of a longer one, for newly arrived requests.",
+            state.num_interleaved_steps,
+        )
         paths = GaugeMetricFamily(
             f"{_PREFIX}_operator_path",
             "1 for the implementation each hot operator runs (a native CPU level, torch or triton).",

@@ -346,3 +346,50 @@ def test_the_offline_api_takes_keys_and_priorities(tmp_path: Path) -> None:
         llm.generate(["a", "b", "c"], params, fairness_key=["x", "y"])
     with pytest.raises(RequestError):
         llm.engine.add_request("w", [1, 2], params, fairness_weight=0)
+
+
+def test_a_step_inside_a_flood_s_step_starts_only_more_urgent_newcomers_of_other_keys() -> None:
+    """Issue 37, point 4 (interleaved steps, docs/decisions/0053): between two layers of a step that prefills key
+    a's prompt, b's newcomer starts in a short step of its own; a's queued request, and b's next one once b has
+    been served more than a, wait; the outer step's requests are neither scheduled again nor preempted."""
+    sched = scheduler(pages=4096, budget=512, max_seqs=16)
+    longs = [request("a", 1024, 2) for _ in range(4)]
+    for r in longs:
+        sched.add(r)
+    outer = sched.schedule()
+    assert sched.may_interleave(outer) and outer.num_batched_tokens == 512
+    in_flight = [(s.request, s.num_new_tokens, s.request.num_computed_tokens) for s in outer.scheduled]
+    queued_a = request("a", 64, 2)
+    short, long_b = request("b", 32, 2), request("b", 64, 2)
+    for r in (queued_a, short, long_b):
+        sched.add(r)
+    inner = sched.schedule_within(outer)
+    assert [(s.request, s.num_new_tokens) for s in inner.scheduled] == [(short, 32)]
+    assert inner.num_batched_tokens == 32 and not inner.preempted
+    assert [(s.request, s.num_new_tokens, s.request.num_computed_tokens) for s in outer.scheduled] == in_flight
+    assert queued_a in sched.waiting and long_b in sched.waiting
+    assert sched.schedule_within(outer).is_empty  # b has had its turn: its counter passed a's
+    sched.update_from_output(inner)
+    sched.update_from_output(outer)
+    assert short.num_computed_tokens == 32 and longs[0].num_computed_tokens == 512
+
+
+def test_no_step_runs_inside_a_short_step_under_fcfs_or_without_room() -> None:
+    fcfs = scheduler(pages=4096, budget=512, max_seqs=16, policy="fcfs")
+    fcfs.add(request("a", 1024, 2))
+    outer = fcfs.schedule()
+    fcfs.add(request("b", 32, 2))
+    assert not fcfs.may_interleave(outer) and fcfs.schedule_within(outer).is_empty
+    # A decode-sized step is not worth pausing.
+    small = scheduler(pages=4096, budget=512, max_seqs=16)
+    small.add(request("a", 100, 2))
+    assert not small.may_interleave(small.schedule())
+    # No room for the newcomer: it waits for the step's end, and nobody in the step is preempted for it.
+    full = scheduler(pages=130, budget=512, max_seqs=16)  # 520 tokens of pages
+    long = request("a", 1024, 2)
+    full.add(long)
+    outer = full.schedule()
+    newcomer = request("b", 32, 2)
+    full.add(newcomer)
+    inner = full.schedule_within(outer)
+    assert inner.is_empty and not inner.preempted and long in full.running and newcomer in full.waiting

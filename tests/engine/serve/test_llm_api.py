@@ -206,3 +206,49 @@ async def test_async_engine_streams_and_aborts(model_dir: Path) -> None:
         assert engine.is_healthy
     finally:
         await engine.shutdown()
+
+
+@pytest.mark.parametrize("abort_first", [False, True])
+async def test_a_step_takes_only_arrivals_between_its_layers_and_keeps_the_commands_order(
+    model_dir: Path, abort_first: bool
+) -> None:
+    """Issue 37, point 4: between two layers of a long step the engine thread takes newly submitted requests (and
+    runs them in a step of their own: EngineCore.step's interleaved steps); an abort must wait for the step's end,
+    since the step is computing for the request it would free, and so does every command queued behind it."""
+    import threading
+
+    engine = await AsyncEngine.create(
+        EngineConfig(model=model_dir, device="cpu", kv_budget=16 * 2**20, max_num_batched_tokens=512)
+    )
+    gate = threading.Event()
+    take_arrivals = engine._take_arrivals
+
+    def gated() -> bool:  # the first layer boundary of the flood's step waits until the commands are queued
+        gate.wait(10)
+        return take_arrivals()
+
+    engine._take_arrivals = gated  # type: ignore[method-assign]
+    try:
+        flood = engine.submit(list(range(4, 1004)), SamplingParams(max_tokens=2, ignore_eos=True), "a", fairness_key="a")
+        await wait_for_async(lambda: _running(engine), 5, what="the flood's step")
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        if abort_first:
+            await engine.abort("a")
+        light = engine.submit([7, 8, 9], params, "b", fairness_key="b")
+        if not abort_first:
+            await engine.abort("a")
+        gate.set()
+        outputs = [o async for o in light]
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 2
+        flood_outputs = [o async for o in flood]
+        assert flood_outputs[-1].outputs[0].finish_reason == "abort"
+        # Taken mid-step only when nothing waited before it; either way the flood's step ran to its end first.
+        assert engine.state().num_interleaved_steps == (0 if abort_first else 1)
+        assert engine.is_healthy
+    finally:
+        gate.set()
+        await engine.shutdown()
+
+
+async def _running(engine: AsyncEngine) -> bool:
+    return bool(engine.core.scheduler.running)
