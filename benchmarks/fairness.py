@@ -10,7 +10,8 @@ engine (a random ~56M-parameter Llama on the CPU), in three runs with the same c
 Reported per run: B's time to first token (p50, p95, from submission), each tenant's share of the tokens computed
 in the measured window (the engine's own books per fairness key: prompt tokens as their chunks run, generated
 tokens as they come), the total tokens computed per second, and how many steps ran between two layers of another
-(interleaved steps, docs/decisions/0053: B's newcomers during A's long prefill steps). A warms up for a few seconds before B starts
+(interleaved steps, docs/decisions/0053: B's newcomers during A's long prefill steps). A warms up for a few seconds
+before B starts
 and the window opens; A keeps flooding until every B request of the window has finished, so B's last requests see
 the same load as its first.
 

@@ -157,6 +157,8 @@ def _pair_tensors(infos: dict[str, TensorInfo], base: ModelConfig) -> dict[Modul
             )
         layer, block, module = int(match["layer"]), match["block"], match["module"]
         modules = adaptable_modules(base)
+        if base.moe is not None and block == "mlp":
+            raise AdapterFormatError(f"{WEIGHTS_FILE} holds tensor '{shorten(name)}': {_MOE_MLP}", field=name)
         if BLOCK_OF.get(module) != block or module not in modules:
             raise AdapterFormatError(
                 f"{WEIGHTS_FILE} holds tensor '{name}' for module '{block}.{module}', which is not one of the "
@@ -190,7 +192,15 @@ def _pair_tensors(infos: dict[str, TensorInfo], base: ModelConfig) -> dict[Modul
     return pairs
 
 
+_MOE_MLP = (
+    "LoRA on the MLP or the experts of a mixture-of-experts base is not supported yet; adapt its attention "
+    "(q_proj, k_proj, v_proj, o_proj)"
+)
+
+
 def _why_not_lora(name: str) -> str:
+    if ".experts." in name or "block_sparse_moe" in name or ".mlp.gate." in name:
+        return _MOE_MLP
     if "lora_embedding_" in name or "embed_tokens" in name or "lm_head" in name:
         return "LoRA on embeddings or the output layer is not supported"
     if "lora_magnitude_vector" in name:
@@ -206,7 +216,7 @@ def _check_targets(config: LoraAdapterConfig, pairs: dict[ModuleId, tuple[str, s
         (layer, module)
         for layer in range(base.num_layers)
         for module in adaptable_modules(base)
-        if config.targets(module_key(layer, module))
+        if config.targets(module_key(layer, module)) and not (base.moe is not None and BLOCK_OF[module] == "mlp")
     }
     if not targeted:
         raise AdapterConfigError(

@@ -18,6 +18,7 @@ from loraplex.engine.errors import CheckpointError
 from loraplex.engine.model.config_fields import ConfigFields, token_ids
 from loraplex.engine.model.fp8 import Fp8Format, read_fp8_format
 from loraplex.engine.model.layers.activation import Activation
+from loraplex.engine.model.layers.moe import MoeConfig
 from loraplex.engine.model.layers.norm import NormKind
 from loraplex.engine.model.layers.rope import RopeConfig
 from loraplex.engine.model.prequantized import PrequantizedFormat, read_prequantized_format
@@ -31,7 +32,9 @@ DTYPES = {
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: str  # the family's label: llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3
+    architecture: (
+        str  # the family's label: llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | mixtral | qwen3_moe
+    )
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -64,6 +67,8 @@ class ModelConfig:
     layer_sliding: tuple[bool, ...] = ()  # per layer, whether it slides (empty: none does)
     local_rope: RopeConfig | None = None  # the sliding layers' own RoPE (Gemma 3's rope_local_base_freq)
     fused_projections: bool = False  # Phi-3: the checkpoint (and LoRA) name qkv_proj and gate_up_proj
+    # Mixture-of-experts bases (Mixtral, Qwen3-MoE): the experts, and which layers are sparse; None for dense ones.
+    moe: MoeConfig | None = None
     # The checkpoint was saved from the bare decoder (transformers' *Model, as sentence-transformers writes it): its
     # tensor names lack the "model." prefix and it has no lm_head of its own.
     headless: bool = False
@@ -171,13 +176,23 @@ class ModelConfig:
         qk_norms = 2 * self.head_dim if self.qk_norm else 0
         norms = (4 if self.sandwich_norms else 2) * self.hidden_size
         per_layer = (
-            self.hidden_size * (self.q_size + 2 * self.kv_size)
-            + self.q_size * self.hidden_size
-            + 3 * self.hidden_size * self.intermediate_size
-            + norms
-            + qk_norms
+            self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size + norms + qk_norms
         )
         if self.attention_bias:
             per_layer += self.q_size + 2 * self.kv_size
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings or self.headless else 2)
-        return self.num_layers * per_layer + embeddings + self.hidden_size
+        return (
+            self.num_layers * per_layer
+            + sum(map(self.mlp_parameters, range(self.num_layers)))
+            + embeddings
+            + (self.hidden_size)
+        )
+
+    def mlp_parameters(self, layer: int, *, active: bool = False) -> int:
+        """Parameters of a layer's MLP: the dense one's, or a sparse block's router and experts (`active`: the
+        top-k experts a token runs, and the router)."""
+        moe = self.moe
+        if moe is None or not moe.is_sparse(layer):
+            return 3 * self.hidden_size * self.intermediate_size
+        experts = moe.top_k if active else moe.num_experts
+        return moe.num_experts * self.hidden_size + experts * 3 * self.hidden_size * moe.intermediate_size

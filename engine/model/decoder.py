@@ -31,6 +31,7 @@ from loraplex.engine.model.decoder_weights import LayerWeights, WeightLoader
 from loraplex.engine.model.forward_batch import ForwardBatch
 from loraplex.engine.model.layers.activation import gated
 from loraplex.engine.model.layers.attention import attend
+from loraplex.engine.model.layers.moe import moe_mlp
 from loraplex.engine.model.layers.norm import rms_norm
 from loraplex.engine.model.layers.rope import RotaryEmbedding
 from loraplex.engine.model.quant_linear import Weight, addmm, linear, nbytes
@@ -186,6 +187,14 @@ class DecoderModel:
             )
 
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps, c.norm_kind)
+            if layer.moe is not None:
+                assert c.moe is not None
+                hidden = hidden + moe_mlp(x, layer.moe, c.moe)
+                if between_layers is not None:
+                    between_layers()
+                continue
+            assert layer.gate_up is not None
+            assert layer.down is not None
             gate_up = linear(_ordered(x, layer.gate_up_input_order), layer.gate_up)
             if adapters is not None:
                 adapters.add(index, "gate_up", x, gate_up)

@@ -16,6 +16,7 @@ import torch
 from loraplex.engine.errors import CheckpointError
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.fp8 import load_fp8
+from loraplex.engine.model.layers.moe import MoeWeights
 from loraplex.engine.model.layers.norm import gemma_weight
 from loraplex.engine.model.layers.rope import rotary_order
 from loraplex.engine.model.prequantized import LoadedInt4, PrequantizedFormat, load_int4
@@ -39,8 +40,9 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
     o: Weight  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]: before the MLP (Llama's post_attention_layernorm, Gemma's pre_feedforward)
-    gate_up: Weight  # [2 * intermediate, hidden]: gate and up projections stacked
-    down: Weight  # [hidden, intermediate]
+    # The dense MLP: None in a mixture-of-experts layer, which has `moe` instead.
+    gate_up: Weight | None  # [2 * intermediate, hidden]: gate and up projections stacked
+    down: Weight | None  # [hidden, intermediate]
     # Gemma's sandwich norms: on the attention's and the MLP's outputs, before the residual; None elsewhere.
     attn_out_norm: torch.Tensor | None = None  # [hidden]
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
@@ -53,9 +55,11 @@ class LayerWeights:
     o_input_order: torch.Tensor | None = None
     gate_up_input_order: torch.Tensor | None = None
     down_input_order: torch.Tensor | None = None
+    moe: MoeWeights | None = None  # a sparse layer's router and experts (engine/model/layers/moe.py)
 
     def projections(self) -> tuple[Weight, ...]:
-        return (self.qkv, self.o, self.gate_up, self.down)
+        mlp = self.moe.tensors() if self.moe is not None else (self.gate_up, self.down)
+        return tuple(w for w in (self.qkv, self.o, *mlp) if w is not None)
 
     def small_tensors(self) -> list[torch.Tensor]:
         """Norms and biases, which stay in the model's dtype (float32 for Gemma's norms)."""
@@ -171,6 +175,22 @@ class WeightLoader:
                 "'quantization_config' saying how: give a GPTQ/AWQ checkpoint with its config, or a 16/32-bit "
                 "checkpoint and quantization='int8' or 'int4' to quantize it at load"
             )
+        if c.moe is not None:
+            if self.quantization is not None:
+                raise CheckpointError(
+                    f"quantization {self.quantization!r} of a mixture-of-experts base ({c.architecture}) is not "
+                    "supported yet: serve it in 16/32 bits"
+                )
+            if c.fp8 is not None or c.prequantized is not None:
+                raise CheckpointError(
+                    f"quantized mixture-of-experts checkpoints ({c.architecture}) are not supported yet: give its "
+                    "16/32-bit weights"
+                )
+            if self.shard is not None:
+                raise CheckpointError(
+                    f"tensor parallelism over a mixture-of-experts base ({c.architecture}) is not supported yet: "
+                    "use tensor_parallel_size 1"
+                )
         if (
             c.headless
             and not any(n.startswith("layers.") for n in names)
@@ -227,7 +247,7 @@ class WeightLoader:
     def layer(self, i: int) -> LayerWeights:
         c = self.config
         p = f"{self.prefix}layers.{i}."
-        weights = self._prequantized_layer(p, c.prequantized) if c.prequantized is not None else self._float_layer(p)
+        weights = self._prequantized_layer(p, c.prequantized) if c.prequantized is not None else self._float_layer(p, i)
         if c.sandwich_norms:
             weights.post_norm = self.norm(p + "pre_feedforward_layernorm.weight")
             weights.attn_out_norm = self.norm(p + "post_attention_layernorm.weight")
@@ -238,7 +258,7 @@ class WeightLoader:
             weights.k_norm = self.norm(p + "self_attn.k_norm.weight", c.head_dim)[order].contiguous()
         return weights
 
-    def _float_layer(self, p: str) -> LayerWeights:
+    def _float_layer(self, p: str, index: int) -> LayerWeights:
         c = self.config
         # Quantized projections are read in float32, so the rounding starts from the checkpoint's own values.
         proj_dtype = torch.float32 if self.quantization is not None else self.dtype
@@ -250,6 +270,25 @@ class WeightLoader:
                     return loaded.to(self.device)
             return self.take(p + name, shape, dtype=proj_dtype)
 
+        if c.moe is not None and c.moe.is_sparse(index):
+            qkv = _stack(
+                p + "self_attn",
+                [
+                    proj("self_attn.q_proj.weight", (c.q_size, c.hidden_size)),
+                    proj("self_attn.k_proj.weight", (c.kv_size, c.hidden_size)),
+                    proj("self_attn.v_proj.weight", (c.kv_size, c.hidden_size)),
+                ],
+            )
+            return LayerWeights(
+                input_norm=self.norm(p + "input_layernorm.weight"),
+                qkv=self._column(_rows(qkv, self._qkv_order), None),
+                qkv_bias=self._qkv_bias(p),
+                o=self._row(proj("self_attn.o_proj.weight", (c.hidden_size, c.q_size)), None),
+                post_norm=self.norm(p + "post_attention_layernorm.weight"),
+                gate_up=None,
+                down=None,
+                moe=self._experts(p),
+            )
         if c.fused_projections:
             qkv = proj("self_attn.qkv_proj.weight", (c.q_size + 2 * c.kv_size, c.hidden_size))
             gate_up = proj("mlp.gate_up_proj.weight", (2 * c.intermediate_size, c.hidden_size))
@@ -282,6 +321,43 @@ class WeightLoader:
                 proj("mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)),
                 shard.mlp_columns if shard is not None else None,
             ),
+        )
+
+    def _experts(self, p: str) -> MoeWeights:
+        """A sparse layer's router and experts, from either layout transformers writes (see moe_families.py):
+        stacked input-major, [experts, hidden, 2 * intermediate] and [experts, intermediate, hidden]."""
+        c = self.config
+        assert c.moe is not None
+        e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
+        names = self.tensors.names
+        # Mixtral's own checkpoints name the block `block_sparse_moe`; transformers' fused layout names it `mlp`.
+        block = p + "mlp."
+        if c.architecture == "mixtral" and block + "gate.weight" not in names:
+            block = p + "block_sparse_moe."
+        router = self.take(block + "gate.weight", (e, h))
+        if block + "experts.gate_up_proj" in names:
+            gate_up = self.take(block + "experts.gate_up_proj", (e, 2 * i, h))
+            down = self.take(block + "experts.down_proj", (e, h, i))
+        else:
+            gate, up, down_name = (
+                ("w1", "w3", "w2") if c.architecture == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+            )
+            gate_up = torch.stack(
+                [
+                    torch.cat(
+                        [
+                            self.take(f"{block}experts.{n}.{gate}.weight", (i, h)),
+                            self.take(f"{block}experts.{n}.{up}.weight", (i, h)),
+                        ]
+                    )
+                    for n in range(e)
+                ]
+            )
+            down = torch.stack([self.take(f"{block}experts.{n}.{down_name}.weight", (h, i)) for n in range(e)])
+        return MoeWeights(
+            router=router,
+            gate_up=gate_up.transpose(1, 2).contiguous(),
+            down=down.transpose(1, 2).contiguous(),
         )
 
     def _prequantized_layer(self, p: str, fmt: PrequantizedFormat) -> LayerWeights:

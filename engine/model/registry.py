@@ -1,7 +1,8 @@
 """config.json's `architectures` -> the family that reads the rest: the one place an architecture is accepted or
 refused.
 
-A family module (engine/model/llama.py, qwen3.py, gemma.py, phi3.py) exports a `Family`: the transformers class names
+A family module (engine/model/llama.py, qwen3.py, gemma.py, phi3.py, moe_families.py) exports a `Family`: the
+transformers class names
 it serves with their labels, and `read`, which turns its config.json fields into ModelConfig's variation fields
 (norms, activations, sliding windows, RoPE where it differs from the common reading). Classes of the bare decoder
 (transformers' `*Model`, which is what sentence-transformers saves) are served headless: no lm_head, tensor names
@@ -32,9 +33,9 @@ class Family:
 
 
 def families() -> tuple[Family, ...]:
-    from loraplex.engine.model import gemma, llama, phi3, qwen3
+    from loraplex.engine.model import gemma, llama, moe_families, phi3, qwen3
 
-    return (llama.FAMILY, qwen3.FAMILY, gemma.FAMILY, phi3.FAMILY)
+    return (llama.FAMILY, qwen3.FAMILY, gemma.FAMILY, phi3.FAMILY, moe_families.MIXTRAL, moe_families.QWEN3_MOE)
 
 
 def supported_architectures() -> list[str]:

@@ -90,10 +90,33 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "sliding_window": 40,
     },
+    # Mixtral: a sparse MoE block in every layer, top-2 of 4 experts renormalized (issue 38).
+    "mixtral": {
+        "arch": "mixtral",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 48,
+    },
+    # Qwen3-MoE: q/k norms, top-3 of 8 experts not renormalized, and a dense MLP in layer 1 (mlp_only_layers).
+    "qwen3-moe": {
+        "arch": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 3,
+        "moe_intermediate_size": 32,
+        "mlp_only_layers": [1],
+        "norm_topk_prob": False,
+    },
 }
 
 # The variants whose every path the new-family tests run (tests/engine/model/test_families.py).
-FAMILY_VARIANTS = ("qwen3", "gemma2", "gemma3", "phi3", "phi3-partial", "mistral-window")
+FAMILY_VARIANTS = ("qwen3", "gemma2", "gemma3", "phi3", "phi3-partial", "mistral-window", "mixtral", "qwen3-moe")
+MOE_VARIANTS = ("mixtral", "qwen3-moe")
 
 
 def make_checkpoint(
@@ -110,12 +133,16 @@ def make_checkpoint(
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     from loraplex.engine.tools.demo import write_tokenizer
@@ -130,6 +157,8 @@ def make_checkpoint(
         "gemma2": (Gemma2Config, Gemma2ForCausalLM),
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[arch]
     fields: dict[str, Any] = {
         "hidden_size": 64,
@@ -152,6 +181,8 @@ def make_checkpoint(
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith("bias"):
                 param.normal_(0, INIT_STD)
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                param.normal_(0, 1.0)  # a router that prefers experts clearly: no near-ties in the top-k
     model.save_pretrained(path)
     write_tokenizer(path, vocab_size=VOCAB)
     return path

@@ -13,6 +13,7 @@ from _support.engine_runs import assert_same_runs
 from _support.recording import Recorder
 
 from loraplex.engine import LLM, SamplingParams
+from loraplex.engine.core.engine_core import EngineCore
 from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.lora.ref import LoRARequest
 from loraplex.engine.model.config import ModelConfig
@@ -109,9 +110,9 @@ def test_without_arrivals_or_under_fcfs_a_step_runs_whole(tmp_path: Path) -> Non
     for policy in ("fair", "fcfs"):
         core = LLM(model, **OPTIONS, scheduling_policy=policy).engine
         core.add_request("a", list(range(4, 504)), SamplingParams(max_tokens=2), fairness_key="a")
-        asked = []
+        asked: list[int] = []
 
-        def arrivals() -> bool:
+        def arrivals(core: EngineCore = core, asked: list[int] = asked) -> bool:
             asked.append(1)
             if len(asked) == 1:
                 core.add_request("b", [4, 5, 6], SamplingParams(max_tokens=2), fairness_key="b")

@@ -229,7 +229,9 @@ async def test_a_step_takes_only_arrivals_between_its_layers_and_keeps_the_comma
 
     engine._take_arrivals = gated  # type: ignore[method-assign]
     try:
-        flood = engine.submit(list(range(4, 1004)), SamplingParams(max_tokens=2, ignore_eos=True), "a", fairness_key="a")
+        flood = engine.submit(
+            list(range(4, 1004)), SamplingParams(max_tokens=2, ignore_eos=True), "a", fairness_key="a"
+        )
         await wait_for_async(lambda: _running(engine), 5, what="the flood's step")
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         if abort_first:
