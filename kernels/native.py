@@ -94,6 +94,19 @@ def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The running CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"); "" where it does not."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
 def levels_for(arch: str, features: Iterable[str]) -> list[Level]:
     """The levels a CPU of `arch` with `features` runs, best first."""
     features = set(features)

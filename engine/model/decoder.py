@@ -6,7 +6,8 @@ branches on a family's name.
 
 Weights are plain tensors, fused where one matmul can do the work of several (q/k/v, gate/up): fewer, larger
 matmuls are what a CPU (and a GPU at small batch) runs fastest. On a CPU, float32 projections and an untied
-lm_head are kept input-major (quant_linear.matmul_layout), the layout MKL multiplies fastest at decode sizes.
+lm_head are kept in the layout their library multiplies fastest (quant_linear.matmul_layout: input-major for MKL,
+row-major for oneDNN, which serves float32 on AMD CPUs).
 With quantization the four projections of each layer are int8 or int4 weight objects instead
 (engine/model/quant_linear.py), quantized at load one layer at a time (engine/model/decoder_weights.py), and an
 untied lm_head becomes int8; everything else stays in the model's dtype.
@@ -34,14 +35,14 @@ from loraplex.engine.model.layers.attention import attend
 from loraplex.engine.model.layers.moe import moe_mlp
 from loraplex.engine.model.layers.norm import rms_norm
 from loraplex.engine.model.layers.rope import RotaryEmbedding
-from loraplex.engine.model.quant_linear import Weight, addmm, linear, nbytes
+from loraplex.engine.model.quant_linear import Weight, addmm, linear, nbytes, onednn_fp32
 from loraplex.engine.model.quantization import QuantizationName
 from loraplex.engine.model.tensor_parallel import Communicator, ShardPlan
 from loraplex.engine.model.weights import CheckpointTensors
 
 # A row-major lm_head (half types, tied embeddings) in vocabulary slices this tall: the slice of weights stays in
-# cache while every row uses it (decision 0019 has the figures). A float32 one is stored input-major
-# (matmul_layout) and runs whole, which is fastest for that layout.
+# cache while every row uses it (decision 0019 has the figures). A float32 one is stored input-major for MKL
+# (matmul_layout) and runs whole, which is fastest for that layout; oneDNN runs a float32 one whole too (0055).
 _LM_HEAD_SLICE = 2048
 
 
@@ -288,8 +289,9 @@ class DecoderModel:
             )
         if not isinstance(lm_head, torch.Tensor):  # int8
             return linear(hidden, lm_head).float()
-        input_major = lm_head.stride(0) == 1  # matmul_layout's float32 copy: fastest whole
-        if self.device.type != "cpu" or input_major or lm_head.shape[0] <= _LM_HEAD_SLICE:
-            return F.linear(hidden, lm_head).float()
+        input_major = lm_head.stride(0) == 1  # matmul_layout's float32 copy for MKL: fastest whole
+        whole = input_major or lm_head.shape[0] <= _LM_HEAD_SLICE or onednn_fp32(hidden, lm_head)
+        if self.device.type != "cpu" or whole:
+            return linear(hidden, lm_head).float()
         parts = [F.linear(hidden, w) for w in torch.split(lm_head, _LM_HEAD_SLICE)]
         return torch.cat(parts, dim=-1).float()

@@ -1,7 +1,10 @@
 """Linear layers over a weight that is either a plain tensor or a quantized one (kernels/quant.py).
 
 The model's forward calls `linear` and `addmm` whatever its weights are; a plain tensor takes exactly the path it
-took before quantization existed (F.linear, torch.addmm), so the unquantized engine is unchanged.
+took before quantization existed, so the unquantized engine is unchanged. On a CPU that path for float32 weights
+is one of two libraries (`cpu_matmul`, docs/decisions/0055): oneDNN's linear on AMD x86 CPUs, where it runs the
+engine's shapes 1.2-1.9x faster than MKL, and F.linear (MKL, or the BLAS torch has) elsewhere; `matmul_layout`
+stores each weight in the layout its library runs fastest.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.model.quantization import QuantizationName
+from loraplex.kernels.paths import cpu_matmul
 from loraplex.kernels.quant import (
     GROUP_SIZE,
     Int4Weight,
@@ -39,6 +43,20 @@ _INT4_GROUP_SIZES = (GROUP_SIZE, 64, 32)
 _workspaces = threading.local()
 
 
+def onednn_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this product goes to oneDNN: a float32 CPU weight kept row-major (matmul_layout's choice for it), a
+    float32 2-D input, nothing that needs a gradient (oneDNN's linear has none)."""
+    return (
+        weight.dtype == torch.float32
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and weight.device.type == "cpu"
+        and weight.is_contiguous()
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and cpu_matmul() == "onednn"
+    )
+
+
 def _workspace(x: torch.Tensor, in_features: int) -> torch.Tensor | None:
     if x.is_cuda:
         return None
@@ -55,6 +73,8 @@ def _workspace(x: torch.Tensor, in_features: int) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, in] @ weight.T (+ bias [out]) -> [num_tokens, out] in x's dtype."""
     if isinstance(weight, torch.Tensor):
+        if onednn_fp32(x, weight) and (bias is None or bias.dtype == torch.float32):
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
     workspace = _workspace(x, weight.shape[1])
     if isinstance(weight, Int8Weight):
@@ -67,7 +87,9 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 def addmm(residual: torch.Tensor, x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """residual [num_tokens, out] + x [num_tokens, in] @ weight.T, as a new tensor (residual is not written)."""
     if isinstance(weight, torch.Tensor):
-        # addmm adds the residual inside the matmul: one pass over the activations fewer.
+        # Both add the residual inside the matmul: one pass over the activations fewer.
+        if onednn_fp32(x, weight) and residual.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), weight, None, "add")
         return torch.addmm(residual, x, weight.t())
     workspace = _workspace(x, weight.shape[1])
     if isinstance(weight, Int8Weight):
@@ -78,14 +100,16 @@ def addmm(residual: torch.Tensor, x: torch.Tensor, weight: Weight) -> torch.Tens
 
 
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 CPU weight [out, in] as the same-shaped view of an input-major copy ([in, out] in memory).
-
-    F.linear then hands MKL x @ W with W stored as is (no transposed operand), the path MKL runs fastest at the
-    row counts of decode steps and no slower at prefill sizes (docs/decisions/0017). Half types go through oneDNN,
-    which prefers the checkpoint's layout, so they keep it.
+    """A float32 CPU weight [out, in] in the layout its library multiplies fastest: for MKL the same-shaped view of
+    an input-major copy ([in, out] in memory), so that F.linear hands MKL x @ W with W stored as is (no transposed
+    operand), the path MKL runs fastest at the row counts of decode steps and no slower at prefill sizes
+    (docs/decisions/0017); for oneDNN the checkpoint's row-major layout (decision 0055). Half types go through
+    oneDNN in either case, so they keep it.
     """
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return weight
+    if cpu_matmul() == "onednn":
+        return weight.contiguous()
     return weight.t().contiguous().t()
 
 

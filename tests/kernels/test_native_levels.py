@@ -55,6 +55,8 @@ def test_cpu_features_are_read_as_linux_writes_them(tmp_path: Path) -> None:
     arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes sve\nCPU implementer\t: 0x41\n")
     assert native.cpu_features(arm) == {"fp", "asimd", "evtstrm", "aes", "sve"}
     assert native.cpu_features(tmp_path / "missing") == frozenset()
+    assert native.cpu_vendor(x86) == "AuthenticAMD"
+    assert native.cpu_vendor(arm) == "" and native.cpu_vendor(tmp_path / "missing") == ""
     # This machine: what the test session's build chose is a level this CPU runs.
     here = native.levels_for(platform.machine(), native.cpu_features())
     status = native.status()

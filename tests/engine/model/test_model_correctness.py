@@ -4,7 +4,7 @@ and the same greedy tokens, alone and inside batches with chunked prefill and pr
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from _support.recording import Recorder
 from loraplex.engine import LLM, SamplingParams
 from loraplex.engine.core.config import EngineConfig
 from loraplex.engine.core.engine_core import EngineCore
+from loraplex.kernels.paths import cpu_matmul
 
 pytestmark = pytest.mark.unit
 
@@ -147,14 +148,30 @@ def test_half_precision_checkpoints_load_and_agree(
     assert EngineCore(EngineConfig(model=path, device="cpu", kv_budget=4 * 2**20)).dtype == torch.float32
 
 
-def test_float32_weights_are_kept_input_major(checkpoint: Callable[..., Path]) -> None:
-    """On a CPU, float32 projections and an untied lm_head are stored input-major (the faster layout for MKL at
-    decode sizes, docs/decisions/0017); half types and a tied lm_head (the embedding table itself) are not."""
+@pytest.fixture(params=["blas", "onednn"])
+def cpu_matmul_library(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each library that multiplies float32 weights on a CPU (kernels/paths.py), whichever this CPU would
+    pick: the suite's other tests run the CPU's own choice."""
+    monkeypatch.setenv("LORAPLEX_CPU_MATMUL", request.param)
+    cpu_matmul.cache_clear()
+    assert cpu_matmul() == request.param
+    yield request.param
+    monkeypatch.undo()
+    cpu_matmul.cache_clear()
+
+
+def test_float32_weights_take_their_librarys_layout(checkpoint: Callable[..., Path], cpu_matmul_library: str) -> None:
+    """On a CPU, float32 projections and an untied lm_head are stored input-major for MKL (its faster layout at
+    decode sizes, docs/decisions/0017) and row-major for oneDNN (0055); half types and a tied lm_head (the
+    embedding table itself) stay row-major."""
     untied = EngineCore(EngineConfig(model=checkpoint("llama-gqa"), dtype="float32", device="cpu", kv_budget=2**20))
     layer = untied.model.layers[0]
     for weight in (layer.qkv, layer.o, layer.gate_up, layer.down, untied.model.lm_head):
         assert isinstance(weight, torch.Tensor)
-        assert weight.t().is_contiguous() and not weight.is_contiguous()
+        if cpu_matmul_library == "blas":
+            assert weight.t().is_contiguous() and not weight.is_contiguous()
+        else:
+            assert weight.is_contiguous()
     assert untied.model.embed.is_contiguous()
 
     tied = EngineCore(EngineConfig(model=checkpoint("llama-tied"), dtype="float32", device="cpu", kv_budget=2**20))
@@ -162,3 +179,19 @@ def test_float32_weights_are_kept_input_major(checkpoint: Callable[..., Path]) -
 
     half = EngineCore(EngineConfig(model=checkpoint("llama-gqa"), dtype="bfloat16", device="cpu", kv_budget=2**20))
     assert half.model.layers[0].qkv.is_contiguous() and half.model.lm_head.is_contiguous()
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias"])
+def test_each_cpu_matmul_library_computes_what_transformers_computes(
+    variant: str, checkpoint: Callable[..., Path], hf_model: Any, cpu_matmul_library: str
+) -> None:
+    """Prefill and decode logits and greedy tokens through oneDNN's and MKL's matmuls alike (a bias included)."""
+    path = checkpoint(variant)
+    llm = LLM(path, dtype="float32", device="cpu", kv_budget=8 * 2**20)
+    rng = random.Random(7)
+    prompts = [_prompt(rng, n) for n in (5, 40, 90)]
+    recorders = [Recorder() for _ in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logits_processors=[r]) for r in recorders]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, output, recorder in zip(prompts, outputs, recorders, strict=True):
+        _check_against_transformers(hf_model(path), prompt, list(output.outputs[0].token_ids), recorder.steps)

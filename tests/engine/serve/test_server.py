@@ -34,6 +34,7 @@ from loraplex.engine.serve.metrics import EngineMetrics
 from loraplex.engine.serve.server import create_engine_app
 from loraplex.engine.tools.demo import write_random_model
 from loraplex.kernels import native
+from loraplex.kernels.paths import cpu_matmul
 
 pytestmark = pytest.mark.unit
 
@@ -502,9 +503,11 @@ def test_state_and_metrics_say_which_path_each_operator_runs(server: Server) -> 
     (the test session builds it: `make native`), or torch where none is."""
     expected = native.status().path
     assert expected == "torch" or expected.startswith("native/x86-64") or expected == "native/armv8-a"
-    assert server.state()["operators"] == {"paged_attention": expected, "lora": expected}
-    for operator in ("paged_attention", "lora"):
-        assert server.metric("loraplex_engine_operator_path", f'{{operator="{operator}",path="{expected}"}}') == 1
+    # and its float32 matmuls the library this CPU's vendor runs fastest (decision 0055).
+    matmul = cpu_matmul()
+    assert server.state()["operators"] == {"paged_attention": expected, "lora": expected, "matmul": matmul}
+    for operator, path in (("paged_attention", expected), ("lora", expected), ("matmul", matmul)):
+        assert server.metric("loraplex_engine_operator_path", f'{{operator="{operator}",path="{path}"}}') == 1
 
 
 def test_metrics_count_requests_and_tokens(server: Server) -> None:
