@@ -29,7 +29,7 @@ def cpu_matmul() -> CpuMatmul:
         os.environ.get("LORAPLEX_CPU_MATMUL", ""),
         machine=platform.machine(),
         vendor=native.cpu_vendor(),
-        onednn_available=torch.backends.mkldnn.is_available(),
+        onednn_available=bool(torch.backends.mkldnn.is_available()),  # type: ignore[no-untyped-call]
     )
 
 

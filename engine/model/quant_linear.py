@@ -74,7 +74,8 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     """x [num_tokens, in] @ weight.T (+ bias [out]) -> [num_tokens, out] in x's dtype."""
     if isinstance(weight, torch.Tensor):
         if onednn_fp32(x, weight) and (bias is None or bias.dtype == torch.float32):
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+            return out
         return F.linear(x, weight, bias)
     workspace = _workspace(x, weight.shape[1])
     if isinstance(weight, Int8Weight):
@@ -89,7 +90,10 @@ def addmm(residual: torch.Tensor, x: torch.Tensor, weight: Weight) -> torch.Tens
     if isinstance(weight, torch.Tensor):
         # Both add the residual inside the matmul: one pass over the activations fewer.
         if onednn_fp32(x, weight) and residual.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), weight, None, "add")
+            summed: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(
+                x.contiguous(), residual.contiguous(), weight, None, "add"
+            )
+            return summed
         return torch.addmm(residual, x, weight.t())
     workspace = _workspace(x, weight.shape[1])
     if isinstance(weight, Int8Weight):
