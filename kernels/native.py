@@ -81,30 +81,27 @@ LEVELS = (
 BY_NAME = {level.name: level for level in LEVELS}
 
 
-def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The running CPU's feature flags (x86 `flags`, ARM `Features`); empty where /proc/cpuinfo is not."""
+def _cpuinfo_field(cpuinfo: Path, keys: tuple[str, ...]) -> str | None:
+    """The value of the first line of /proc/cpuinfo whose key is one of `keys`; None where there is none."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        if key.strip() in keys:
+            return value
+    return None
+
+
+def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The running CPU's feature flags (x86 `flags`, ARM `Features`); empty where /proc/cpuinfo is not."""
+    return frozenset((_cpuinfo_field(cpuinfo, ("flags", "Features")) or "").split())
 
 
 def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The running CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"); "" where it does not."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-            return value.strip()
-    return ""
+    return (_cpuinfo_field(cpuinfo, ("vendor_id",)) or "").strip()
 
 
 def levels_for(arch: str, features: Iterable[str]) -> list[Level]:
