@@ -11,7 +11,6 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -33,6 +32,7 @@ from loraplex.engine.core.reasoning import ReasoningMarkers, ReasoningState
 from loraplex.engine.core.reasoning_config import ReasoningConfig
 from loraplex.engine.core.rejection_sampler import accepted_prefix
 from loraplex.engine.core.request import Request, RequestStatus
+from loraplex.engine.core.request_check import CheckedPrompt, check_prompt_text, check_request
 from loraplex.engine.core.request_memory import RequestMemory
 from loraplex.engine.core.row_sampler import RowSampler
 from loraplex.engine.core.runner import ModelRunner
@@ -40,8 +40,8 @@ from loraplex.engine.core.sampler import Sampler, TokenLogprobs
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.engine.core.speculator import Speculator
-from loraplex.engine.core.structured_output import CompiledGrammar, GrammarCompiler, GrammarState
-from loraplex.engine.errors import ContextLengthExceeded, RequestError
+from loraplex.engine.core.structured_output import GrammarCompiler, GrammarState
+from loraplex.engine.errors import RequestError
 from loraplex.engine.lora.batch import LoraCompute
 from loraplex.engine.lora.manager import AdapterEntry, AdapterManager, AdapterManagerConfig
 from loraplex.engine.lora.ref import AdapterRef, LoRARequest
@@ -58,17 +58,6 @@ from loraplex.kernels import native
 from loraplex.kernels.paths import operator_paths
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class CheckedPrompt:
-    """A prompt and its sampling parameters that `EngineCore.check_request` found able to run, with the room it
-    leaves for the completion. Made only there: a request is checked once, wherever it enters the engine."""
-
-    token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int  # min(params.max_tokens, room left in the context)
-    grammar: CompiledGrammar | None = None  # params.structured_outputs, compiled
 
 
 class EngineCore:
@@ -406,52 +395,19 @@ class EngineCore:
         return self.check_request(list(prompt), params)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedPrompt:
-        """Raise RequestError if the request can never run; else the checked prompt, with how many tokens it may
-        generate at most.
-
-        Reads only immutable state (and the thread-safe grammar cache: a new grammar is compiled here), so any
-        thread may call it.
-        """
-        if not prompt_token_ids:
-            raise RequestError("the prompt must contain at least one token", param="prompt")
-        vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        num_prompt = len(prompt_token_ids)
-        room = self.max_model_len - num_prompt
-        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
-            asked = num_prompt + (params.max_tokens or 0)
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{asked} tokens ({num_prompt} in the prompt, {params.max_tokens or 0} for the completion). "
-                "Please reduce the length of the prompt or the completion."
-            )
-        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
-            token = params.logit_bias[-1][0]
-            raise RequestError(
-                f"logit_bias names token {token}, which is not in the vocabulary (ids 0 to {vocab - 1})",
-                param="logit_bias",
-            )
-        if params.reasoning and self.reasoning is None:
-            field = "thinking_token_budget" if params.thinking_token_budget is not None else "reasoning"
-            raise RequestError(
-                f"{field} needs a reasoning model: this engine was started without --reasoning-parser",
-                code="unsupported_value",
-                param=field,
-            )
-        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
-        return CheckedPrompt(list(prompt_token_ids), params, min(params.max_tokens or room, room), grammar)
+        """request_check.check_request against this engine; reads only immutable state: any thread may call it."""
+        return check_request(
+            prompt_token_ids,
+            params,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            reasoning=self.reasoning is not None,
+            grammars=self.grammars,
+        )
 
     def check_prompt_text(self, text: str, param: str = "prompt") -> None:
-        """Raise ContextLengthExceeded if `text` is surely too long for the context, told from its length alone, so
-        that a prompt megabytes long is refused before it is tokenized. Reads only immutable state."""
-        if self.tokenizer.surely_longer_than(text, self.max_model_len - 1):
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt is "
-                f"{len(text)} characters long, more than that many tokens can hold. Please reduce the length of the "
-                "prompt.",
-                param=param,
-            )
+        """request_check.check_prompt_text against this engine; reads only immutable state."""
+        check_prompt_text(self.tokenizer, self.max_model_len, text, param)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and give back all its pages; returns its final output (None if unknown)."""

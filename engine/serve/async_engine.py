@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar, Unpack
 
 from loraplex.engine.core.config import EngineConfig
-from loraplex.engine.core.engine_core import CheckedPrompt, EngineCore
+from loraplex.engine.core.engine_core import EngineCore
 from loraplex.engine.core.engine_state import EngineState
 from loraplex.engine.core.outputs import RequestOutput
 from loraplex.engine.core.pooling import PoolingState
 from loraplex.engine.core.reasoning_config import ReasoningConfig
+from loraplex.engine.core.request_check import CheckedPrompt
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.errors import EngineError, EngineOverloaded
 from loraplex.engine.lora import AdapterError

@@ -13,8 +13,8 @@ from typing import Any, Final, TypeVar
 
 from litestar import Request
 
-from loraplex.engine.core.engine_core import CheckedPrompt
 from loraplex.engine.core.outputs import PositionLogprobs, RequestOutput
+from loraplex.engine.core.request_check import CheckedPrompt
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.lora.ref import AdapterRef
 from loraplex.engine.serve.api_errors import ClientDisconnected

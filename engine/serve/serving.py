@@ -33,8 +33,8 @@ from typing import Any, Final, TypeVar
 from litestar import Request
 from pydantic import BaseModel
 
-from loraplex.engine.core.engine_core import CheckedPrompt
 from loraplex.engine.core.outputs import RequestOutput
+from loraplex.engine.core.request_check import CheckedPrompt
 from loraplex.engine.core.sampling_params import SamplingParams
 from loraplex.engine.errors import ContextLengthExceeded
 from loraplex.engine.lora.manager import AdapterState
