@@ -32,9 +32,8 @@ DTYPES = {
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: (
-        str  # the family's label: llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | mixtral | qwen3_moe
-    )
+    architecture: str  # the family's label: llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | phi3 | <moe>
+    # where <moe> is mixtral | qwen2_moe | qwen3_moe
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -67,7 +66,7 @@ class ModelConfig:
     layer_sliding: tuple[bool, ...] = ()  # per layer, whether it slides (empty: none does)
     local_rope: RopeConfig | None = None  # the sliding layers' own RoPE (Gemma 3's rope_local_base_freq)
     fused_projections: bool = False  # Phi-3: the checkpoint (and LoRA) name qkv_proj and gate_up_proj
-    # Mixture-of-experts bases (Mixtral, Qwen3-MoE): the experts, and which layers are sparse; None for dense ones.
+    # Mixture-of-experts bases (Mixtral, Qwen2-MoE, Qwen3-MoE): the experts, and which layers are sparse; None for dense ones.
     moe: MoeConfig | None = None
     # The checkpoint was saved from the bare decoder (transformers' *Model, as sentence-transformers writes it): its
     # tensor names lack the "model." prefix and it has no lm_head of its own.
@@ -195,4 +194,10 @@ class ModelConfig:
         if moe is None or not moe.is_sparse(layer):
             return 3 * self.hidden_size * self.intermediate_size
         experts = moe.top_k if active else moe.num_experts
-        return moe.num_experts * self.hidden_size + experts * 3 * self.hidden_size * moe.intermediate_size
+        # Qwen2-MoE's shared expert runs for every token, behind a gate of one output.
+        shared = (
+            3 * self.hidden_size * moe.shared_intermediate_size + self.hidden_size
+            if moe.shared_intermediate_size
+            else 0
+        )
+        return moe.num_experts * self.hidden_size + experts * 3 * self.hidden_size * moe.intermediate_size + shared

@@ -16,7 +16,7 @@ import torch
 from loraplex.engine.errors import CheckpointError
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.fp8 import load_fp8
-from loraplex.engine.model.layers.moe import MoeWeights
+from loraplex.engine.model.layers.moe import MoeWeights, SharedExpert
 from loraplex.engine.model.layers.norm import gemma_weight
 from loraplex.engine.model.layers.rope import rotary_order
 from loraplex.engine.model.prequantized import LoadedInt4, PrequantizedFormat, load_int4
@@ -354,10 +354,21 @@ class WeightLoader:
                 ]
             )
             down = torch.stack([self.take(f"{block}experts.{n}.{down_name}.weight", (h, i)) for n in range(e)])
+        shared = None
+        if c.moe.shared_intermediate_size:
+            s, name = c.moe.shared_intermediate_size, block + "shared_expert."
+            shared = SharedExpert(
+                gate=self.take(block + "shared_expert_gate.weight", (1, h)),
+                gate_up=torch.cat(
+                    [self.take(name + "gate_proj.weight", (s, h)), self.take(name + "up_proj.weight", (s, h))]
+                ),
+                down=self.take(name + "down_proj.weight", (h, s)),
+            )
         return MoeWeights(
             router=router,
             gate_up=gate_up.transpose(1, 2).contiguous(),
             down=down.transpose(1, 2).contiguous(),
+            shared=shared,
         )
 
     def _prequantized_layer(self, p: str, fmt: PrequantizedFormat) -> LayerWeights:

@@ -1,12 +1,14 @@
 """Mixture-of-experts bases (issue 38): Mixtral (Mistral's block with a sparse MoE MLP in every layer, top-2 of 8
-renormalized) and Qwen3-MoE (Qwen3's block; sparse layers every `decoder_sparse_step` but those of
-`mlp_only_layers`, which keep a dense MLP of `intermediate_size`; experts of `moe_intermediate_size`; the top-k
-renormalized where `norm_topk_prob`). The experts are computed by engine/model/layers/moe.py.
+renormalized), Qwen3-MoE (Qwen3's block; sparse layers every `decoder_sparse_step` but those of `mlp_only_layers`,
+which keep a dense MLP of `intermediate_size`; experts of `moe_intermediate_size`; the top-k renormalized where
+`norm_topk_prob`) and Qwen2-MoE (Qwen2's block, q/k/v biases where `qkv_bias`, the same sparse layers, and in each a
+shared expert of `shared_expert_intermediate_size` behind a sigmoid gate). The experts are computed by
+engine/model/layers/moe.py.
 
 transformers writes each expert as its own modules (`mlp.experts.N.gate_proj` ..., Mixtral's
 `block_sparse_moe.experts.N.w1/w3/w2`) and holds them fused in memory (`mlp.experts.gate_up_proj` [experts,
 2 * intermediate, hidden], `mlp.experts.down_proj` [experts, hidden, intermediate]); checkpoints of either layout load
-(engine/model/decoder_weights.py). Qwen2-MoE (a shared expert with a sigmoid gate) and gpt-oss are not served yet.
+(engine/model/decoder_weights.py). gpt-oss is not served yet.
 """
 
 from __future__ import annotations
@@ -60,26 +62,41 @@ def read_mixtral(fields: ConfigFields, common: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def read_qwen3_moe(fields: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
+def _qwen_moe(fields: ConfigFields, common: dict[str, Any], *, shared: bool) -> MoeConfig:
+    """The sparse block of Qwen2-MoE and Qwen3-MoE: sparse layers every `decoder_sparse_step` but those of
+    `mlp_only_layers`; Qwen2-MoE's shared expert where `shared`."""
     num_experts = _num_experts(fields)
     num_layers = common["num_layers"]
     step = fields.positive_int("decoder_sparse_step", default=1)
     dense = fields.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
         raise CheckpointError(f"config.json field 'mlp_only_layers' must list layer indices below {num_layers}")
-    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=_top_k(fields, num_experts),
+        intermediate_size=fields.positive_int("moe_intermediate_size"),
+        normalize_top_k=fields.flag("norm_topk_prob"),
+        float32_weights=False,
+        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+        shared_intermediate_size=fields.positive_int("shared_expert_intermediate_size") if shared else 0,
+    )
+
+
+def read_qwen3_moe(fields: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
     return {
         "hidden_act": _silu(fields),
         "qk_norm": True,
-        "moe": MoeConfig(
-            num_experts=num_experts,
-            top_k=_top_k(fields, num_experts),
-            intermediate_size=fields.positive_int("moe_intermediate_size"),
-            normalize_top_k=fields.flag("norm_topk_prob"),
-            float32_weights=False,
-            sparse_layers=sparse,
-        ),
-        **sliding_layers(fields, common["architecture"], num_layers),
+        "moe": _qwen_moe(fields, common, shared=False),
+        **sliding_layers(fields, common["architecture"], common["num_layers"]),
+    }
+
+
+def read_qwen2_moe(fields: ConfigFields, common: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "hidden_act": _silu(fields),
+        "attention_bias": fields.flag("qkv_bias", default=True),
+        "moe": _qwen_moe(fields, common, shared=True),
+        **sliding_layers(fields, common["architecture"], common["num_layers"]),
     }
 
 
@@ -93,8 +110,11 @@ QWEN3_MOE = Family(
     name="qwen3_moe",
     architectures={"Qwen3MoeForCausalLM": "qwen3_moe"},
     read=read_qwen3_moe,
-    refused={
-        "Qwen2MoeForCausalLM": "Qwen2-MoE's shared expert is not supported yet (Qwen3-MoE and Mixtral are)",
-        "GptOssForCausalLM": "gpt-oss is not supported yet (Qwen3-MoE and Mixtral are)",
-    },
+    refused={"GptOssForCausalLM": "gpt-oss is not supported yet (Mixtral, Qwen2-MoE and Qwen3-MoE are)"},
+)
+
+QWEN2_MOE = Family(
+    name="qwen2_moe",
+    architectures={"Qwen2MoeForCausalLM": "qwen2_moe"},
+    read=read_qwen2_moe,
 )

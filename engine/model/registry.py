@@ -35,7 +35,8 @@ class Family:
 def families() -> tuple[Family, ...]:
     from loraplex.engine.model import gemma, llama, moe_families, phi3, qwen3
 
-    return (llama.FAMILY, qwen3.FAMILY, gemma.FAMILY, phi3.FAMILY, moe_families.MIXTRAL, moe_families.QWEN3_MOE)
+    dense = (llama.FAMILY, qwen3.FAMILY, gemma.FAMILY, phi3.FAMILY)
+    return (*dense, moe_families.MIXTRAL, moe_families.QWEN2_MOE, moe_families.QWEN3_MOE)
 
 
 def supported_architectures() -> list[str]:

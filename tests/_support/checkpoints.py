@@ -112,11 +112,35 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [1],
         "norm_topk_prob": False,
     },
+    # Qwen2-MoE: q/k/v biases, top-2 of 6 experts renormalized, a shared expert behind its sigmoid gate, and sparse
+    # layers every second layer (decoder_sparse_step 2: layer 0 dense).
+    "qwen2-moe": {
+        "arch": "qwen2_moe",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "decoder_sparse_step": 2,
+        "norm_topk_prob": True,
+    },
 }
 
 # The variants whose every path the new-family tests run (tests/engine/model/test_families.py).
-FAMILY_VARIANTS = ("qwen3", "gemma2", "gemma3", "phi3", "phi3-partial", "mistral-window", "mixtral", "qwen3-moe")
-MOE_VARIANTS = ("mixtral", "qwen3-moe")
+FAMILY_VARIANTS = (
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "phi3-partial",
+    "mistral-window",
+    "mixtral",
+    "qwen3-moe",
+    "qwen2-moe",
+)
+MOE_VARIANTS = ("mixtral", "qwen3-moe", "qwen2-moe")
 
 
 def make_checkpoint(
@@ -139,6 +163,8 @@ def make_checkpoint(
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
@@ -159,6 +185,7 @@ def make_checkpoint(
         "phi3": (Phi3Config, Phi3ForCausalLM),
         "mixtral": (MixtralConfig, MixtralForCausalLM),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     }[arch]
     fields: dict[str, Any] = {
         "hidden_size": 64,

@@ -1,5 +1,6 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks `top_k` of `num_experts` SwiGLU experts per
-token, and the token's output is their outputs weighted by the router's probabilities.
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks `top_k` of `num_experts` SwiGLU
+experts per token, and the token's output is their outputs weighted by the router's probabilities; Qwen2-MoE adds a
+shared expert every token runs, scaled by a sigmoid gate of its own and added after the routed experts' sum.
 
 Routing as transformers computes it: the router's logits in the activations' dtype, softmax in float32, top-k, the
 k probabilities renormalized to sum to one where the family does (Mixtral always, Qwen3-MoE with `norm_topk_prob`).
@@ -28,9 +29,19 @@ class MoeConfig:
     normalize_top_k: bool  # the k probabilities renormalized to sum to one
     float32_weights: bool  # expert outputs times the float32 weights (Mixtral), not weights cast first (Qwen)
     sparse_layers: tuple[bool, ...]  # per layer: a sparse MoE block, or the dense MLP
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers[layer]
+
+
+@dataclass(slots=True)
+class SharedExpert:
+    """Qwen2-MoE's shared expert, row-major as the checkpoint holds it."""
+
+    gate: torch.Tensor  # [1, hidden]: the sigmoid gate's weight
+    gate_up: torch.Tensor  # [2 * shared intermediate, hidden]: gate then up
+    down: torch.Tensor  # [hidden, shared intermediate]
 
 
 @dataclass(slots=True)
@@ -38,9 +49,11 @@ class MoeWeights:
     router: torch.Tensor  # [num_experts, hidden]
     gate_up: torch.Tensor  # [num_experts, hidden, 2 * intermediate]: gate then up, input-major for the grouped GEMM
     down: torch.Tensor  # [num_experts, intermediate, hidden]
+    shared: SharedExpert | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.router, self.gate_up, self.down)
+        shared = () if self.shared is None else (self.shared.gate, self.shared.gate_up, self.shared.down)
+        return (self.router, self.gate_up, self.down, *shared)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, config: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,4 +92,8 @@ def moe_mlp(x: torch.Tensor, w: MoeWeights, config: MoeConfig) -> torch.Tensor:
     total = by_expert[:, 0].clone()
     for slot in range(1, k):  # top_k is a small constant of the model (2 or 8): a fixed loop, not one per expert
         total += by_expert[:, slot]
-    return total
+    shared = w.shared
+    if shared is None:
+        return total
+    gate, up = F.linear(x, shared.gate_up).chunk(2, dim=-1)
+    return total + torch.sigmoid(F.linear(x, shared.gate)) * F.linear(F.silu(gate) * up, shared.down)
