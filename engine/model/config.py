@@ -66,7 +66,7 @@ class ModelConfig:
     layer_sliding: tuple[bool, ...] = ()  # per layer, whether it slides (empty: none does)
     local_rope: RopeConfig | None = None  # the sliding layers' own RoPE (Gemma 3's rope_local_base_freq)
     fused_projections: bool = False  # Phi-3: the checkpoint (and LoRA) name qkv_proj and gate_up_proj
-    # Mixture-of-experts bases (Mixtral, Qwen2-MoE, Qwen3-MoE): the experts, and which layers are sparse; None for dense ones.
+    # Mixture-of-experts bases (Mixtral, Qwen2-MoE, Qwen3-MoE): the experts, which layers are sparse; None if dense.
     moe: MoeConfig | None = None
     # The checkpoint was saved from the bare decoder (transformers' *Model, as sentence-transformers writes it): its
     # tensor names lack the "model." prefix and it has no lm_head of its own.
