@@ -17,8 +17,10 @@ from loraplex.engine.lora.adapter_files import DEFAULT_MAX_WEIGHTS_BYTES, WEIGHT
 from loraplex.engine.lora.base_modules import (
     ALL_MODULES,
     BLOCK_OF,
+    EXPERT_MODULES,
     MODULES,
     adaptable_modules,
+    expert_modules,
     module_key,
     module_shape,
 )
@@ -57,6 +59,12 @@ _KEY = re.compile(
     r"\.lora_(?P<half>[AB])(?P<spelling>(?:\.default)?\.weight)"
 )
 _EXAMPLE_KEY = "base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight"
+# peft's target_parameters on a sparse layer's experts: one pair per parameter, the second parameter's wrapper around
+# the first's ("experts.base_layer.lora_A" is the inner one). Which parameter a pair adapts follows from its shapes.
+_EXPERT_KEY = re.compile(
+    r"base_model\.model\.model\.layers\.(?P<layer>0|[1-9][0-9]{0,5})\.mlp\.experts(?P<nest>(?:\.base_layer){0,3})"
+    r"\.lora_(?P<half>[AB])(?P<spelling>(?:\.default)?\.weight)"
+)
 
 ModuleId = tuple[int, str]  # (layer index, module name from the base's adaptable_modules)
 
@@ -75,8 +83,9 @@ class LoraModule:
     module: str  # one of the base's adaptable_modules
     rank: int
     scaling: float
-    a: torch.Tensor  # [rank, in_features]
-    b: torch.Tensor  # [out_features, rank], scaled, q/k rows interleaved
+    a: torch.Tensor  # [rank, in_features]; for experts [experts * rank, in]: expert e's A in rows e * rank ...
+    b: torch.Tensor  # [out_features, rank], scaled, q/k rows interleaved; for experts [out, experts * rank]
+    experts: int = 1  # an expert parameter's: one LoRA of `rank` per expert, stacked expert by expert
 
     @property
     def key(self) -> str:
@@ -149,7 +158,12 @@ def _pair_tensors(infos: dict[str, TensorInfo], base: ModelConfig) -> dict[Modul
     """(layer, module) -> (A's name, B's name); refuses any other tensor, naming it."""
     halves: dict[ModuleId, dict[str, str]] = {}
     spelling: dict[ModuleId, str] = {}
+    nested: dict[tuple[int, str], dict[str, str]] = {}  # (layer, nesting) -> half -> name, of expert pairs
     for name in infos:
+        expert = _EXPERT_KEY.fullmatch(name) if base.moe is not None else None
+        if expert is not None:
+            nested.setdefault((int(expert["layer"]), expert["nest"] + expert["spelling"]), {})[expert["half"]] = name
+            continue
         match = _KEY.fullmatch(name)
         if match is None:
             raise AdapterFormatError(
@@ -158,7 +172,8 @@ def _pair_tensors(infos: dict[str, TensorInfo], base: ModelConfig) -> dict[Modul
         layer, block, module = int(match["layer"]), match["block"], match["module"]
         modules = adaptable_modules(base)
         if base.moe is not None and block == "mlp":
-            raise AdapterFormatError(f"{WEIGHTS_FILE} holds tensor '{shorten(name)}': {_MOE_MLP}", field=name)
+            why = _why_not_lora(name) if module == "gate" else _MOE_MLP
+            raise AdapterFormatError(f"{WEIGHTS_FILE} holds tensor '{shorten(name)}': {why}", field=name)
         if BLOCK_OF.get(module) != block or module not in modules:
             raise AdapterFormatError(
                 f"{WEIGHTS_FILE} holds tensor '{name}' for module '{block}.{module}', which is not one of the "
@@ -180,6 +195,15 @@ def _pair_tensors(infos: dict[str, TensorInfo], base: ModelConfig) -> dict[Modul
                 field=name,
             )
         halves.setdefault(module_id, {})[match["half"]] = name
+    for (layer, _), found in sorted(nested.items()):
+        module_id = (layer, _expert_module(found, infos, base))
+        if module_id in halves:
+            raise AdapterFormatError(
+                f"{WEIGHTS_FILE} holds two LoRA pairs for {module_key(*module_id)} ('{found.get('A', found.get('B'))}' "
+                "and another)",
+                field=found.get("A", found.get("B", "")),
+            )
+        halves[module_id] = found
     pairs: dict[ModuleId, tuple[str, str]] = {}
     for module_id, found in halves.items():
         for half, other in (("A", "B"), ("B", "A")):
@@ -193,13 +217,44 @@ def _pair_tensors(infos: dict[str, TensorInfo], base: ModelConfig) -> dict[Modul
 
 
 _MOE_MLP = (
-    "LoRA on the MLP or the experts of a mixture-of-experts base is not supported yet; adapt its attention "
-    "(q_proj, k_proj, v_proj, o_proj)"
+    "LoRA on the dense MLP modules or on each expert's own modules of a mixture-of-experts base is not supported "
+    "yet; adapt its attention (q_proj, k_proj, v_proj, o_proj) and its experts as peft's target_parameters does "
+    "('mlp.experts.gate_up_proj', 'mlp.experts.down_proj')"
 )
 
 
+def _expert_module(found: dict[str, str], infos: dict[str, TensorInfo], base: ModelConfig) -> str:
+    """Which expert parameter one nested LoRA pair adapts, from its shapes: A [experts * r, in] and B [out,
+    experts * r], where gate_up_proj's `in` is the hidden size and down_proj's the experts' intermediate size (and
+    their `out` the other way round, so no two shapes are alike)."""
+    assert base.moe is not None
+    name = found.get("A") or found["B"]
+    layer = int(name.split(".")[4])
+    if not base.moe.is_sparse(layer):
+        raise AdapterFormatError(
+            f"{WEIGHTS_FILE} holds tensor '{name}' for the experts of layer {layer}, which is a dense layer of this "
+            f"{base.architecture} base",
+            field=name,
+        )
+    for module in EXPERT_MODULES:
+        in_features, out_features = module_shape(base, module)
+        a, b = found.get("A"), found.get("B")
+        if (a is None or tuple(infos[a].shape[1:]) == (in_features,)) and (
+            b is None or tuple(infos[b].shape[:1]) == (out_features,)
+        ):
+            return module
+    raise AdapterShapeError(
+        f"tensor '{name}' has shape {list(infos[name].shape)}, which fits neither expert parameter of this base "
+        f"(gate_up_proj: A [experts * r, {base.hidden_size}], B [{2 * base.moe.intermediate_size}, experts * r]; "
+        f"down_proj: A [experts * r, {base.moe.intermediate_size}], B [{base.hidden_size}, experts * r])",
+        field=name,
+    )
+
+
 def _why_not_lora(name: str) -> str:
-    if ".experts." in name or "block_sparse_moe" in name or ".mlp.gate." in name:
+    if ".mlp.gate." in name or ".block_sparse_moe.gate." in name:
+        return "LoRA on a mixture-of-experts router (mlp.gate) is not supported"
+    if ".experts." in name or "block_sparse_moe" in name:
         return _MOE_MLP
     if "lora_embedding_" in name or "embed_tokens" in name or "lm_head" in name:
         return "LoRA on embeddings or the output layer is not supported"
@@ -218,6 +273,20 @@ def _check_targets(config: LoraAdapterConfig, pairs: dict[ModuleId, tuple[str, s
         for module in adaptable_modules(base)
         if config.targets(module_key(layer, module)) and not (base.moe is not None and BLOCK_OF[module] == "mlp")
     }
+    experts = {
+        (layer, module)
+        for layer in range(base.num_layers)
+        for module in expert_modules(base)
+        if base.moe is not None and base.moe.is_sparse(layer) and config.targets_parameter(module_key(layer, module))
+    }
+    if config.target_parameters and not experts:
+        raise AdapterConfigError(
+            f"{CONFIG_FILE} field 'target_parameters' ({', '.join(config.target_parameters)}) selects no parameter "
+            f"of this {base.architecture} base; adaptable are the experts' "
+            + (", ".join(f"'mlp.{m}'" for m in EXPERT_MODULES) if base.moe is not None else "(it has none)"),
+            field="target_parameters",
+        )
+    targeted |= experts
     if not targeted:
         raise AdapterConfigError(
             f"{CONFIG_FILE} field 'target_modules' (with exclude_modules and layers_to_transform) selects no "
@@ -246,7 +315,7 @@ def _check_targets(config: LoraAdapterConfig, pairs: dict[ModuleId, tuple[str, s
 
 
 def _order(module_id: ModuleId) -> tuple[int, int]:
-    return module_id[0], ALL_MODULES.index(module_id[1])
+    return module_id[0], (*ALL_MODULES, *EXPERT_MODULES).index(module_id[1])
 
 
 def _check_module(
@@ -267,10 +336,19 @@ def _check_module(
             f"{key} has rank {rank} (from {CONFIG_FILE}); this server accepts ranks up to {max_rank}", field=key
         )
     in_features, out_features = module_shape(base, module)
-    for name, expected, layout in (
-        (a_name, (rank, in_features), "[rank, in_features]"),
-        (b_name, (out_features, rank), "[out_features, rank]"),
-    ):
+    if module in EXPERT_MODULES:  # one LoRA per expert, stacked as peft's ParamWrapper holds them
+        assert base.moe is not None
+        stacked = base.moe.num_experts * rank
+        expectations = (
+            (a_name, (stacked, in_features), "[experts * rank, in_features]"),
+            (b_name, (out_features, stacked), "[out_features, experts * rank]"),
+        )
+    else:
+        expectations = (
+            (a_name, (rank, in_features), "[rank, in_features]"),
+            (b_name, (out_features, rank), "[out_features, rank]"),
+        )
+    for name, expected, layout in expectations:
         info = infos[name]
         if info.dtype not in LORA_DTYPES:
             raise AdapterFormatError(
@@ -313,10 +391,18 @@ def _load_module(
         b = interleave_rotary_rows(b, base.num_kv_heads, base.head_dim, rotary_dim)
     elif module == "qkv_proj":
         b = b.index_select(0, qkv_row_order(base))
+    experts = 1
+    if module in EXPERT_MODULES:
+        # peft's B columns run rank-major (column j * experts + e is expert e's j-th); ours expert by expert, as A's
+        # rows, so each expert's B is one block of columns.
+        assert base.moe is not None
+        experts = base.moe.num_experts
+        rank = a.shape[0] // experts
+        b = b.view(b.shape[0], rank, experts).transpose(1, 2).reshape(b.shape[0], experts * rank)
     prepared = {a_name: a.to(dtype).contiguous(), b_name: b.to(dtype).contiguous()}
     for name, tensor in prepared.items():
         if not torch.isfinite(tensor).all():
             raise AdapterValueError(
                 f"tensor '{name}' (scaled by {scaling:g}) overflows {str(dtype).removeprefix('torch.')}", field=name
             )
-    return LoraModule(layer, module, a.shape[0], scaling, prepared[a_name], prepared[b_name])
+    return LoraModule(layer, module, a.shape[0] // experts, scaling, prepared[a_name], prepared[b_name], experts)

@@ -62,6 +62,7 @@ _READ = frozenset(
         "layers_pattern",
         "rank_pattern",
         "alpha_pattern",
+        "target_parameters",
         "fan_in_fan_out",
         "bias",
         "init_lora_weights",
@@ -75,7 +76,6 @@ _REFUSED_WHEN_SET = {
     "lora_bias": "LoRA bias vectors (lora_bias)",
     "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
     "layer_replication": "layer replication (layer_replication)",
-    "target_parameters": "LoRA on raw parameters such as MoE experts (target_parameters)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "use_qalora": "QA-LoRA (use_qalora)",
     "megatron_config": "Megatron-parallel LoRA layers (megatron_config)",
@@ -104,6 +104,9 @@ class LoraAdapterConfig:
     layers_pattern: tuple[str, ...] | None
     rank_pattern: tuple[tuple[str, int], ...]  # in the file's order: the first match wins
     alpha_pattern: tuple[tuple[str, float], ...]
+    # Parameters adapted whole (peft's target_parameters: MoE experts), matched as peft matches them: a parameter's
+    # full name equals an entry or ends with "." + one; layers_to_transform and exclude_modules do not apply.
+    target_parameters: tuple[str, ...] = ()
     # The regexes PEFT builds from layers_pattern and the pattern keys, compiled once (there can be thousands).
     _layer_regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
     _rank_regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
@@ -151,6 +154,10 @@ class LoraAdapterConfig:
             layer_regexes=self._layer_regexes,
         )
 
+    def targets_parameter(self, key: str) -> bool:
+        """Whether PEFT adapts the parameter named `key` (e.g. "model.layers.0.mlp.experts.gate_up_proj")."""
+        return any(key == name or key.endswith("." + name) for name in self.target_parameters)
+
     def rank_for(self, key: str) -> int:
         index = peft_matching.first_matching(self._rank_regexes, key)
         return self.r if index is None else self.rank_pattern[index][1]
@@ -195,7 +202,8 @@ class _Reader:
                 f"{CONFIG_FILE}: 'layers_pattern' needs 'layers_to_transform' (PEFT refuses this too)",
                 field="layers_pattern",
             )
-        target_modules = self.target_modules(layers_to_transform)
+        target_parameters = self.names("target_parameters", regex=False) or ()
+        target_modules = self.target_modules(layers_to_transform, bool(target_parameters))
         exclude_modules = self.exclude_modules()
         rank_pattern = self.pattern("rank_pattern", self.rank)
         alpha_pattern = self.pattern("alpha_pattern", self.alpha)
@@ -215,6 +223,7 @@ class _Reader:
             layers_pattern=layers_pattern or None,
             rank_pattern=rank_pattern,
             alpha_pattern=alpha_pattern,
+            target_parameters=target_parameters,
         )
         for module in EMBEDDING_MODULES:
             if config.targets(module):
@@ -275,10 +284,13 @@ class _Reader:
                 field="auto_mapping",
             )
 
-    def target_modules(self, layers_to_transform: tuple[int, ...] | None) -> tuple[str, ...] | str:
+    def target_modules(
+        self, layers_to_transform: tuple[int, ...] | None, has_parameters: bool
+    ) -> tuple[str, ...] | str:
         value = self.values.get("target_modules")
         if value is None:
-            return DEFAULT_TARGET_MODULES
+            # PEFT adapts no module when only target_parameters are given (and saves the defaults it filled in).
+            return () if has_parameters else DEFAULT_TARGET_MODULES
         if isinstance(value, str):
             if self.values.get("layers_to_transform") is not None or self.values.get("layers_pattern") is not None:
                 raise AdapterConfigError(

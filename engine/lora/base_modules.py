@@ -1,7 +1,9 @@
 """The linear modules of a base model that a LoRA adapter may adapt, with their names and shapes.
 
 Most families name seven projections per decoder layer (q/k/v/o, gate/up/down); Phi-3 fuses q/k/v into `qkv_proj`
-and gate/up into `gate_up_proj` in its checkpoint, so peft's adapters on it name those four.
+and gate/up into `gate_up_proj` in its checkpoint, so peft's adapters on it name those four. A mixture-of-experts
+layer's experts are two stacked parameters in transformers (`mlp.experts.gate_up_proj` [experts, 2 * intermediate,
+hidden] and `mlp.experts.down_proj`), which peft adapts with `target_parameters`: one LoRA per expert of each.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ ALL_MODULES: tuple[str, ...] = (
     "down_proj",
 )
 
+# A sparse layer's expert parameters, as peft's target_parameters name them (under `mlp.`).
+EXPERT_MODULES: tuple[str, ...] = ("experts.gate_up_proj", "experts.down_proj")
+
 # Which block each module sits in, as transformers names it (model.layers.{i}.<block>.<module>).
 BLOCK_OF: dict[str, str] = {
     "q_proj": "self_attn",
@@ -34,6 +39,8 @@ BLOCK_OF: dict[str, str] = {
     "up_proj": "mlp",
     "gate_up_proj": "mlp",
     "down_proj": "mlp",
+    "experts.gate_up_proj": "mlp",
+    "experts.down_proj": "mlp",
 }
 
 # Modules of the model outside the decoder layers that PEFT can target; loraplex refuses adapters on them.
@@ -45,13 +52,19 @@ def adaptable_modules(base: ModelConfig) -> tuple[str, ...]:
     return FUSED_MODULES if base.fused_projections else MODULES
 
 
+def expert_modules(base: ModelConfig) -> tuple[str, ...]:
+    """The expert parameters of a sparse layer of `base` (none for a dense base)."""
+    return EXPERT_MODULES if base.moe is not None else ()
+
+
 def module_key(layer: int, module: str) -> str:
     """The module's name in the transformers model, the key PEFT matches target_modules and patterns against."""
     return f"model.layers.{layer}.{BLOCK_OF[module]}.{module}"
 
 
 def module_shape(base: ModelConfig, module: str) -> tuple[int, int]:
-    """(in_features, out_features) of the module's weight, so LoRA A is [rank, in] and B is [out, rank].
+    """(in_features, out_features) of the module's weight (of one expert's, for an expert parameter), so LoRA A is
+    [rank, in] and B is [out, rank].
 
     Raises ValueError for a name `base` does not have.
     """
@@ -66,7 +79,10 @@ def module_shape(base: ModelConfig, module: str) -> tuple[int, int]:
         "gate_up_proj": (base.hidden_size, 2 * base.intermediate_size),
         "down_proj": (base.intermediate_size, base.hidden_size),
     }
-    modules = adaptable_modules(base)
+    if base.moe is not None:  # one expert's
+        shapes["experts.gate_up_proj"] = (base.hidden_size, 2 * base.moe.intermediate_size)
+        shapes["experts.down_proj"] = (base.moe.intermediate_size, base.hidden_size)
+    modules = adaptable_modules(base) + expert_modules(base)
     if module not in modules:
         raise ValueError(f"unknown module {module!r}; LoRA modules of this model are {', '.join(modules)}")
     return shapes[module]

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from loraplex.engine.lora.layout import AdapterLayout, groups
+from loraplex.engine.lora.layout import EXPERT_GROUPS, AdapterLayout, groups
 from loraplex.engine.memory.page_pool import PageId, PagePool
 from loraplex.engine.model.config import ModelConfig
 from loraplex.kernels import native
@@ -25,6 +25,8 @@ def _lora_add(*args: torch.Tensor) -> None:
     """The native operator (kernels/csrc/cpu_ops.cpp); a module function, so a test can count its calls."""
     torch.ops.loraplex_cpu.lora_add(*args)
 
+
+EXPERT_GROUP_NAMES = frozenset(name for name, _ in EXPERT_GROUPS)
 
 # Steps whose adapter segments are all at most this long run LoRA on one thread (see LoraCompute.add).
 SINGLE_THREAD_MAX_ROWS = 64
@@ -142,6 +144,11 @@ class _GroupTable:
     native_ranks: torch.Tensor
     native_outputs: torch.Tensor
     native_modules: torch.Tensor
+    # An expert group's tables are indexed by (adapter slot, expert) pairs, slot * experts + expert, each its own
+    # slot to the kernels; so are its page table and slot bases (each adapter's repeated per expert).
+    page_table: torch.Tensor | None = None
+    bases: list[int | None] | None = None
+    native_bases: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +157,49 @@ class LoraStep:
 
     compute: LoraCompute
     batch: LoraBatch
+    _token_slots: torch.Tensor | None = None  # built by the first sparse layer that asks
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         self.compute.add(self.batch, layer, group, x, y)
+
+    def experts(self, layer: int) -> ExpertStep | None:
+        """The step's adapters on layer `layer`'s experts, or None when no adapter of the step adapts them."""
+        if not self.compute.adapts_experts(layer, self.batch):
+            return None
+        if self._token_slots is None:
+            num_tokens = self.batch.host[-1][1] if self.batch.host else 0
+            slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+            for start, end, slot in self.batch.host:
+                slots[start:end] = slot
+            object.__setattr__(self, "_token_slots", slots.to(self.compute.device))
+        assert self._token_slots is not None
+        return ExpertStep(self.compute, layer, self._token_slots)
+
+
+@dataclass(slots=True)
+class ExpertStep:
+    """One step's adapters on one sparse layer's experts: engine/model/layers/moe.py's `ExpertLora`.
+
+    Its rows are the layer's (token, expert) pairs sorted by expert, then adapter slot; each run of one (slot, expert)
+    is a segment of kernel slot slot * experts + expert (LoraCompute's expert tables). The segments are worked out
+    once for the layer's two projections, which see the same rows."""
+
+    compute: LoraCompute
+    layer: int
+    token_slots: torch.Tensor  # [num_tokens] int64: each token row's adapter slot, -1 for base rows
+    _segments: tuple[torch.Tensor, LoraBatch] | None = None  # (the slots they were made for, the segments)
+
+    def add(self, group: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, experts: torch.Tensor) -> None:
+        """y[i] += x[i]'s delta under adapter slots[i] on expert experts[i], for rows sorted by expert, then slot."""
+        if self._segments is None or self._segments[0] is not slots:
+            pairs = torch.where(slots >= 0, slots * self.compute.num_experts + experts, -1)
+            values, counts = torch.unique_consecutive(pairs, return_counts=True)
+            segments, start = [], 0
+            for value, count in zip(values.tolist(), counts.tolist(), strict=True):
+                segments.append(LoraSegment(start, start + count, value))
+                start += count
+            self._segments = (slots, LoraBatch.of(segments, x.device))
+        self.compute.add(self._segments[1], self.layer, group, x, y)
 
 
 class LoraCompute:
@@ -181,7 +228,8 @@ class LoraCompute:
         table = self._tables.get((layer, group))
         if table is None or table.max_rank == 0:
             return
-        segments = self._native_segments(batch, x, y) if batch.longest <= SINGLE_THREAD_MAX_ROWS else None
+        bases = self._bases if table.bases is None else table.bases
+        segments = self._native_segments(batch, x, y, bases) if batch.longest <= SINGLE_THREAD_MAX_ROWS else None
         if segments is not None:
             # Decode-sized segments of float32 adapters in contiguous slots: one native call for the whole
             # projection instead of a shrink and expands per segment (kernels/csrc/cpu_ops.cpp, lora_add).
@@ -190,7 +238,7 @@ class LoraCompute:
                 y,
                 self.adapters.pool.storage[self._slot(layer)].view(-1),
                 segments,
-                self._native_bases,
+                self._native_bases if table.native_bases is None else table.native_bases,
                 table.a_offsets,
                 table.native_ranks,
                 table.native_outputs,
@@ -213,22 +261,42 @@ class LoraCompute:
         num_slots = len(self.adapters.pool.storage)
         return layer % num_slots if num_slots < self.adapters.model_config.num_layers else layer
 
-    def _native_segments(self, batch: LoraBatch, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    @property
+    def num_experts(self) -> int:
+        moe = self.adapters.model_config.moe
+        return moe.num_experts if moe is not None else 1
+
+    def adapts_experts(self, layer: int, batch: LoraBatch) -> bool:
+        """Whether an adapter of the step (its batch) adapts layer `layer`'s experts."""
+        self._refresh()
+        tables = self._tables.get((layer, "experts_gate_up")), self._tables.get((layer, "experts_down"))
+        experts = self.num_experts
+        slots = {slot for _, _, slot in batch.host if slot >= 0}
+        return any(
+            t is not None and t.max_rank > 0 and any(int(t.native_ranks[slot * experts]) for slot in slots)
+            for t in tables
+        )
+
+    def _native_segments(
+        self, batch: LoraBatch, x: torch.Tensor, y: torch.Tensor, bases: Sequence[int | None]
+    ) -> torch.Tensor | None:
         """The step's segments for the native operator, or None when it does not compute this call: not built or
         loaded, not float32, rows not contiguous, or an adapter slot of the step not in one ascending run of pages."""
         if not self._native or x.dtype != torch.float32 or y.dtype != torch.float32:
             return None
         if x.stride(1) != 1 or y.stride(1) != 1:
             return None
-        return batch.native_segments(self._bases)
+        return batch.native_segments(bases)
 
     def _add(self, batch: LoraBatch, layer: int, table: _GroupTable, x: torch.Tensor, y: torch.Tensor) -> None:
         pool = self.adapters.pool
         weights = pool.storage[self._slot(layer)].view(-1)
+        page_table = self._page_table if table.page_table is None else table.page_table
+        bases = self._bases if table.bases is None else table.bases
         h = sgmv_shrink(
             x,
             weights,
-            self._page_table,
+            page_table,
             table.a_offsets,
             table.ranks,
             batch.seg_starts,
@@ -236,7 +304,7 @@ class LoraCompute:
             page_elems=pool.page_elems,
             max_rank=table.max_rank,
             segments=batch.host,
-            slot_bases=self._bases,
+            slot_bases=bases,
         )
         for module in table.modules:
             if module.max_rank == 0:
@@ -244,7 +312,7 @@ class LoraCompute:
             sgmv_expand(
                 h,
                 weights,
-                self._page_table,
+                page_table,
                 module.b_offsets,
                 module.ranks,
                 batch.seg_starts,
@@ -253,7 +321,7 @@ class LoraCompute:
                 page_elems=pool.page_elems,
                 h_col_offsets=module.h_cols,
                 segments=batch.host,
-                slot_bases=self._bases,
+                slot_bases=bases,
             )
 
     def _refresh(self) -> None:
@@ -278,6 +346,9 @@ class LoraCompute:
     def _group_table(
         self, slots: Sequence[PlacedAdapter | None], layer: int, group: str, modules: tuple[str, ...]
     ) -> _GroupTable:
+        """The kernels' tables of (layer, group): one entry per adapter slot, or for an expert group one per (slot,
+        expert), slot * experts + expert, whose A and B^T are that expert's rows of the adapter's (layout.py)."""
+        experts = self.num_experts if group in EXPERT_GROUP_NAMES else 1
         placements = [
             None if e is None or e.layout is None else e.layout.layers[layer].groups.get(group) for e in slots
         ]
@@ -285,6 +356,8 @@ class LoraCompute:
         # than the layers).
         page_elems = self.adapters.pool.page_elems
         bases = [0 if e is None or e.layout is None else e.layout.base(layer, page_elems) for e in slots]
+        # Per kernel slot: (the group's placement, its region's base, the expert).
+        entries = [(p, base, e) for p, base in zip(placements, bases, strict=True) for e in range(experts)]
 
         def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
@@ -293,38 +366,41 @@ class LoraCompute:
         shapes = self.adapters.group_columns(group)
         for module, (out_start, out_end) in zip(modules, shapes, strict=True):
             found = [
-                None if p is None else next((m for m in p.modules if m.module == module), None) for p in placements
+                None if p is None else next((m for m in p.modules if m.module == module), None) for p, _, _ in entries
             ]
             ranks = [0 if m is None else m.rank for m in found]
+            b_offsets = [
+                0 if m is None else m.b_offset + base + e * m.rank * (out_end - out_start)
+                for m, (_, base, e) in zip(found, entries, strict=True)
+            ]
             tables.append(
                 _ModuleTable(
                     out_start=out_start,
                     out_end=out_end,
-                    b_offsets=tensor(
-                        [0 if m is None else m.b_offset + base for m, base in zip(found, bases, strict=True)],
-                        torch.int64,
-                    ),
+                    b_offsets=tensor(b_offsets, torch.int64),
                     ranks=tensor(ranks, torch.int32),
                     h_cols=tensor([0 if m is None else m.h_offset for m in found], torch.int32),
                     max_rank=max(ranks, default=0),
                 )
             )
-        group_ranks = [0 if p is None else p.rank for p in placements]
+        group_ranks = [0 if p is None else p.rank for p, _, _ in entries]
         native_modules = (
             torch.stack(
                 [torch.stack([m.b_offsets.cpu(), m.ranks.cpu().long(), m.h_cols.cpu().long()], dim=1) for m in tables]
             )
             if tables
-            else torch.zeros(0, len(slots), 3, dtype=torch.int64)
+            else torch.zeros(0, len(entries), 3, dtype=torch.int64)
         )
+        a_offsets = [0 if p is None else p.a_offset + base + e * p.rank * p.in_features for p, base, e in entries]
         return _GroupTable(
-            a_offsets=tensor(
-                [0 if p is None else p.a_offset + base for p, base in zip(placements, bases, strict=True)], torch.int64
-            ),
+            a_offsets=tensor(a_offsets, torch.int64),
             ranks=tensor(group_ranks, torch.int32),
             max_rank=max(group_ranks, default=0),
             modules=tuple(tables),
             native_ranks=torch.tensor(group_ranks, dtype=torch.int64),
             native_outputs=torch.tensor([[m.out_start, m.out_end] for m in tables], dtype=torch.int64).view(-1, 2),
             native_modules=native_modules.contiguous(),
+            page_table=None if experts == 1 else self._page_table.repeat_interleave(experts, dim=0),
+            bases=None if experts == 1 else [b for b in self._bases for _ in range(experts)],
+            native_bases=None if experts == 1 else self._native_bases.repeat_interleave(experts),
         )

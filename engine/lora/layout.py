@@ -6,6 +6,11 @@ transposed ([rank, out_features], scaling already applied). A group is the proje
 and are computed by one fused matmul of the base model: q/k/v, o, gate/up, down. Their A rows sit back to back,
 so one shrink over the group's total rank serves all of them; each module then expands into its own column
 range of the fused output. Sizes follow each module's own rank: nothing is padded to a maximum rank.
+
+A mixture-of-experts base has two more groups, its experts' gate_up and down (peft's target_parameters): their A is
+every expert's A in turn ([experts * rank, in]), their B^T every expert's in turn, so expert e's pair is one block of
+rows in each, at a fixed stride (GroupPlacement.experts); the compute addresses each (adapter, expert) pair as a slot
+of its own (engine/lora/batch.py).
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ from loraplex.engine.lora.adapter import LoraAdapter
 from loraplex.engine.lora.base_modules import module_shape
 from loraplex.engine.model.config import ModelConfig
 
-GROUP_NAMES: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
+GROUP_NAMES: tuple[str, ...] = ("qkv", "o", "gate_up", "down", "experts_gate_up", "experts_down")
+EXPERT_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("experts_gate_up", ("experts.gate_up_proj",)),
+    ("experts_down", ("experts.down_proj",)),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +44,10 @@ class ModulePlacement:
 class GroupPlacement:
     group: str
     a_offset: int  # element offset of the group's A rows [rank, in_features]
-    rank: int  # total rank of the group's modules
+    rank: int  # total rank of the group's modules (an expert group's: one expert's)
     in_features: int
     modules: tuple[ModulePlacement, ...]
+    experts: int = 1  # an expert group's experts, each `rank` rows of A and of B^T after the one before
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +86,13 @@ def groups(config: ModelConfig) -> tuple[tuple[str, tuple[str, ...]], ...]:
     qkv_proj and gate_up_proj each fill their whole group."""
     if config.fused_projections:
         return (("qkv", ("qkv_proj",)), ("o", ("o_proj",)), ("gate_up", ("gate_up_proj",)), ("down", ("down_proj",)))
-    return (
+    dense = (
         ("qkv", ("q_proj", "k_proj", "v_proj")),
         ("o", ("o_proj",)),
         ("gate_up", ("gate_proj", "up_proj")),
         ("down", ("down_proj",)),
     )
+    return dense + EXPERT_GROUPS if config.moe is not None else dense
 
 
 def group_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, int], ...]]]:
@@ -91,6 +102,8 @@ def group_shapes(config: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, i
         "o": config.q_size,
         "gate_up": config.hidden_size,
         "down": config.intermediate_size,
+        "experts_gate_up": config.hidden_size,
+        "experts_down": config.moe.intermediate_size if config.moe is not None else 0,
     }
     return {
         group: (inputs[group], tuple((module, module_shape(config, module)[1]) for module in modules))
@@ -121,24 +134,25 @@ def layout_adapter(
         pending_b: list[tuple[str, str, int, int, int, int]] = []  # group, module, rank, h_offset, start, end
         for group in shapes:
             in_features, outs = shapes[group]
-            a_offset, h_offset, out_start = offset, 0, 0
+            a_offset, h_offset, out_start, experts = offset, 0, 0, 1
             for module, out_features in outs:
                 found = adapter.modules.get((layer, module))
                 if found is not None:
                     pending_b.append((group, module, found.rank, h_offset, out_start, out_start + out_features))
                     h_offset += found.rank
+                    experts = found.experts  # an expert group has one module
                 out_start += out_features
             if h_offset:
-                touched[group] = GroupPlacement(group, a_offset, h_offset, in_features, ())
-                offset += h_offset * in_features
+                touched[group] = GroupPlacement(group, a_offset, h_offset, in_features, (), experts)
+                offset += experts * h_offset * in_features
         placed: dict[str, list[ModulePlacement]] = {g: [] for g in touched}
         for group, module, rank, h_offset, start, end in pending_b:
             placed[group].append(ModulePlacement(module, rank, h_offset, offset, start, end))
-            offset += rank * (end - start)
+            offset += touched[group].experts * rank * (end - start)
         layers.append(
             LayerLayout(
                 groups={
-                    g: GroupPlacement(p.group, p.a_offset, p.rank, p.in_features, tuple(placed[g]))
+                    g: GroupPlacement(p.group, p.a_offset, p.rank, p.in_features, tuple(placed[g]), p.experts)
                     for g, p in touched.items()
                 },
                 num_elems=offset,
@@ -157,8 +171,8 @@ def pack_layer(adapter: LoraAdapter, layout: AdapterLayout, layer: int, dtype: t
     placement = layout.layers[layer]
     flat = torch.empty(placement.num_elems, dtype=dtype)
     for group in placement.groups.values():
-        rows = [adapter.modules[(layer, m.module)].a for m in group.modules]
-        flat[group.a_offset : group.a_offset + group.rank * group.in_features] = torch.cat(rows).reshape(-1)
+        rows = torch.cat([adapter.modules[(layer, m.module)].a for m in group.modules]).reshape(-1)
+        flat[group.a_offset : group.a_offset + rows.numel()] = rows
         for m in group.modules:
             b_t = adapter.modules[(layer, m.module)].b.t()
             flat[m.b_offset : m.b_offset + b_t.numel()] = b_t.reshape(-1)

@@ -190,7 +190,9 @@ class DecoderModel:
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps, c.norm_kind)
             if layer.moe is not None:
                 assert c.moe is not None
-                hidden = hidden + moe_mlp(x, layer.moe, c.moe)
+                hidden = hidden + moe_mlp(
+                    x, layer.moe, c.moe, adapters.experts(index) if adapters is not None else None
+                )
                 if between_layers is not None:
                     between_layers()
                 continue

@@ -15,6 +15,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from loraplex.engine.model.layers.moe import ExpertLora
+
 # (block ids, offsets in their blocks) of each token -> (K rows, V rows) of the KVLayer.rows views the forward writes:
 # [num_tokens] int64 each in, [num_tokens * num_kv_heads] int64 each out, token-major. The caller's page layout.
 KVRows = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -29,6 +31,10 @@ class LoraDelta(Protocol):
         group: the fused projection (qkv, o, gate_up, down); x: [num_tokens, in_features] its input;
         y: [num_tokens, fused out] its base output, added to in place.
         """
+        ...
+
+    def experts(self, layer: int) -> ExpertLora | None:
+        """The step's adapters on a sparse layer's experts, or None when none of them adapts them."""
         ...
 
 

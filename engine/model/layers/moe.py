@@ -16,6 +16,7 @@ token and its expert, so the batch a token shares never changes its answer (no c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,22 @@ class MoeWeights:
         return (self.router, self.gate_up, self.down, *shared)
 
 
+# More than any adapter slot id + 1: sort keys expert * _SLOT_SPAN + slot + 1 group by expert, then by slot.
+_SLOT_SPAN = 1 << 24
+
+
+class ExpertLora(Protocol):
+    """A step's adapters on one sparse layer's experts (engine/lora/batch.py's `ExpertStep`)."""
+
+    @property
+    def token_slots(self) -> torch.Tensor: ...  # [num_tokens] int64: each token's adapter slot, -1 for none
+
+    def add(self, group: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, experts: torch.Tensor) -> None:
+        """y[i] += the delta of adapter slots[i] on expert experts[i] of projection group ("experts_gate_up",
+        "experts_down") for input x[i]; rows sorted by expert, then by slot."""
+        ...
+
+
 def route(x: torch.Tensor, router: torch.Tensor, config: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 weights [tokens, top_k], expert ids [tokens, top_k]) of each token's chosen experts."""
     probs = torch.softmax(F.linear(x, router).float(), dim=-1)
@@ -65,19 +82,31 @@ def route(x: torch.Tensor, router: torch.Tensor, config: MoeConfig) -> tuple[tor
     return weights, experts
 
 
-def moe_mlp(x: torch.Tensor, w: MoeWeights, config: MoeConfig) -> torch.Tensor:
-    """x [tokens, hidden] -> the MoE block's output [tokens, hidden], in x's dtype."""
+def moe_mlp(x: torch.Tensor, w: MoeWeights, config: MoeConfig, lora: ExpertLora | None = None) -> torch.Tensor:
+    """x [tokens, hidden] -> the MoE block's output [tokens, hidden], in x's dtype; with `lora`, each token's
+    adapter's LoRA on the experts it is routed to added to their gate_up and down projections."""
     num_tokens, k = x.shape[0], config.top_k
     weights, experts = route(x, w.router, config)
     flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
+    pair_slots = None
+    if lora is None:
+        order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
+    else:
+        # Grouped by expert and, within an expert, by adapter: each (adapter, expert) is one run of rows.
+        pair_slots = lora.token_slots.repeat_interleave(k)
+        order = torch.argsort(flat * _SLOT_SPAN + pair_slots + 1, stable=True)
     counts = torch.bincount(flat, minlength=config.num_experts)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     rows = x.index_select(0, order // k)
     gate_up = torch._grouped_mm(rows, w.gate_up, offs=offsets)
+    if lora is not None and pair_slots is not None:
+        sorted_slots, sorted_experts = pair_slots.index_select(0, order), flat.index_select(0, order)
+        lora.add("experts_gate_up", rows, gate_up, sorted_slots, sorted_experts)
     inter = config.intermediate_size
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     out_sorted = torch._grouped_mm(act, w.down, offs=offsets)  # [pairs, hidden], pairs in expert order
+    if lora is not None and pair_slots is not None:
+        lora.add("experts_down", act, out_sorted, sorted_slots, sorted_experts)
     pair_weights = weights.reshape(-1).index_select(0, order)
     if config.float32_weights:
         out_sorted = (out_sorted * pair_weights[:, None]).to(x.dtype)

@@ -54,7 +54,6 @@ def test_the_unmodified_reference_files_parse(files: Files, base: Base) -> None:
         ("lora_bias", True),
         ("trainable_token_indices", [1, 2]),
         ("layer_replication", [[0, 2]]),
-        ("target_parameters", ["mlp.experts.gate_up_proj"]),
         ("alora_invocation_tokens", [5, 6]),
         ("use_qalora", True),
         ("megatron_config", {"tensor_model_parallel_size": 2}),
@@ -82,6 +81,14 @@ def test_unsupported_features_are_refused_by_name(field: str, value: Any, files:
     files.config[field] = value
     error = refused(files, base, UnsupportedAdapterFeature, f"'{field}'")
     assert error.field == field
+
+
+def test_target_parameters_on_a_dense_base_are_refused(files: Files, base: Base) -> None:
+    """peft's target_parameters adapt a mixture-of-experts base's experts (tests/engine/model/test_moe.py); a dense
+    base has no such parameter."""
+    files.config["target_parameters"] = ["mlp.experts.gate_up_proj"]
+    error = refused(files, base, AdapterConfigError, "'target_parameters'", "selects no parameter", "has none")
+    assert error.field == "target_parameters"
 
 
 @pytest.mark.parametrize(

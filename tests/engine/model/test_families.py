@@ -166,10 +166,18 @@ def _adapter_specs(variant: str) -> dict[str, dict[str, Any]]:
             },
             "fused-qkv": {"r": 16, "lora_alpha": 8, "target_modules": ["qkv_proj"], "use_rslora": True},
         }
-    if variant in MOE_VARIANTS:  # LoRA on the experts is not served yet: attention only (issue 38, point 3)
+    if variant in MOE_VARIANTS:  # attention only, experts only (peft's target_parameters) and both
+        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         return {
             "attn": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-            "qv-rslora": {"r": 16, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "use_rslora": True},
+            "experts": {"r": 4, "lora_alpha": 8, "target_modules": [], "target_parameters": experts},
+            "both-rslora": {
+                "r": 16,
+                "lora_alpha": 8,
+                "target_modules": ["q_proj", "v_proj"],
+                "target_parameters": experts[1:],
+                "use_rslora": True,
+            },
         }
     return {
         "attn": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},

@@ -13,14 +13,19 @@ from typing import Any
 
 import pytest
 import torch
-from _support.adapters import make_peft_adapter
+from _support.adapters import make_peft_adapter, peft_logits
 from _support.checkpoints import VOCAB
+from _support.recording import Recorder
 from safetensors.torch import save_file
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.errors import CheckpointError
+from loraplex.engine.lora import batch as batch_module
+from loraplex.engine.lora.adapter import parse_adapter
+from loraplex.engine.lora.errors import AdapterError
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.model.layers.moe import MoeConfig, MoeWeights, moe_mlp
+from loraplex.kernels import native
 
 pytestmark = pytest.mark.unit
 
@@ -112,6 +117,99 @@ def test_the_parameter_counts_of_a_sparse_base(checkpoint: Callable[..., Path], 
     assert config.mlp_parameters(1, active=True) == 6 * h + 2 * 3 * h * 32 + 3 * h * 48 + h
 
 
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_expert_lora_equals_peft_through_each_kernel_path(
+    kernels: str, checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adapters on the experts (peft's target_parameters) and on attention, rows of three adapters and the base in
+    one batch, prefill and decode: with the native operator (decode-sized (adapter, expert) runs, one lora_add per
+    projection) and with the SGMV torch path (every run, as long prefill runs take it), peft's logits each step."""
+    if kernels == "native" and not native.load():
+        pytest.fail("the native CPU operators are not built: `make` builds them", pytrace=False)
+    base = checkpoint("qwen3-moe")
+    adapters = {
+        "experts": make_peft_adapter(
+            base, tmp_path / "experts", seed=1, r=8, lora_alpha=16, target_modules=[], target_parameters=EXPERTS
+        ),
+        "down-only": make_peft_adapter(
+            base,
+            tmp_path / "down",
+            seed=2,
+            r=4,
+            lora_alpha=4,
+            target_modules=[],
+            target_parameters=EXPERTS[1:],
+            use_rslora=True,
+        ),
+        "both": make_peft_adapter(
+            base,
+            tmp_path / "both",
+            seed=3,
+            r=6,
+            lora_alpha=12,
+            target_modules=["q_proj", "o_proj"],
+            target_parameters=EXPERTS,
+        ),
+    }
+    calls = 0
+    lora_add = batch_module._lora_add
+
+    def counted(*args: Any) -> None:
+        nonlocal calls
+        calls += 1
+        lora_add(*args)
+
+    monkeypatch.setattr(batch_module, "_lora_add", counted)
+    if kernels == "torch":
+        monkeypatch.setattr(batch_module, "SINGLE_THREAD_MAX_ROWS", -1)
+    llm = LLM(base, dtype="float32", device="cpu", kv_budget=8 * 2**20, max_model_len=256)
+    rng = random.Random(5)
+    names: list[str | None] = ["experts", None, "both", "down-only", "experts", "both"]
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(5, 60))] for _ in names]
+    recorders = [Recorder() for _ in names]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logits_processors=[r]) for r in recorders]
+    loras = [LoRARequest(name, adapters[name]) if name else None for name in names]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+    for name, prompt, output, recorder in zip(names, prompts, outputs, recorders, strict=True):
+        assert output.outputs[0].finish_reason == "length", output.error
+        tokens = output.outputs[0].token_ids
+        reference = peft_logits(base, adapters[name] if name else None, prompt + tokens)
+        for step, logits in enumerate(recorder.steps):
+            torch.testing.assert_close(logits, reference[len(prompt) - 1 + step], atol=ATOL, rtol=0)
+    assert (calls > 0) == (kernels == "native")
+    # The expert LoRA takes pool pages as the rest of an adapter does: more than an attention-only adapter's.
+    entries = {e.ref.name: e for e in llm.engine.adapters.resident()}
+    assert len(entries["experts"].pages) > 0 and entries["experts"].layout is not None
+
+
+def test_expert_adapters_that_do_not_fit_are_refused(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    base = checkpoint("qwen3-moe")
+    config = ModelConfig.from_dir(base)
+    folder = make_peft_adapter(
+        base, tmp_path / "experts", seed=1, r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERTS
+    )
+    raw_config = json.loads((folder / "adapter_config.json").read_text())
+    weights = (folder / "adapter_model.safetensors").read_bytes()
+    # target_parameters naming nothing of this base, and a rank the tensors do not have.
+    for change, why in (
+        ({"target_parameters": ["mlp.experts.w1"]}, "selects no parameter"),
+        ({"r": 8}, "expected"),
+    ):
+        with pytest.raises(AdapterError, match=why):
+            parse_adapter(json.dumps({**raw_config, **change}).encode(), weights, config)
+    # Per-expert modules (transformers 4's layout of the experts) are refused by name.
+    per_expert = _hand_made_adapter(tmp_path / "per-expert", "model.layers.0.mlp.experts.0.gate_proj", 64, 32)
+    with pytest.raises(AdapterError, match="each expert's own modules"):
+        parse_adapter(
+            (per_expert / "adapter_config.json").read_bytes(),
+            (per_expert / "adapter_model.safetensors").read_bytes(),
+            config,
+        )
+
+
 def test_what_is_not_served_yet_is_refused_by_name(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     path = checkpoint("qwen3-moe")
     with pytest.raises(CheckpointError, match="quantization 'int8' of a mixture-of-experts base"):
@@ -120,8 +218,8 @@ def test_what_is_not_served_yet_is_refused_by_name(checkpoint: Callable[..., Pat
     with pytest.raises(CheckpointError, match="gpt-oss is not supported yet"):
         ModelConfig.from_dict({**raw, "architectures": ["GptOssForCausalLM"]})
     llm = LLM(path, dtype="float32", device="cpu", kv_budget=8 * 2**20, max_model_len=256)
-    # peft on an MoE base targets the experts' fused tensors (target_parameters) for any MLP module it is given; an
-    # adapter that names the dense layer's MLP module itself (layer 1 here) is refused too.
+    # peft's all-linear on an MoE base adapts the router too (refused by name), and an adapter on the dense layer's
+    # MLP modules (layer 1 here) is refused.
     config = ModelConfig.from_dir(path)
     dense = _hand_made_adapter(
         tmp_path / "dense-mlp", "model.layers.1.mlp.down_proj", config.intermediate_size, config.hidden_size
@@ -130,9 +228,9 @@ def test_what_is_not_served_yet_is_refused_by_name(checkpoint: Callable[..., Pat
         (
             "all",
             make_peft_adapter(path, tmp_path / "all", seed=0, r=4, lora_alpha=4, target_modules="all-linear"),
-            "MoE experts (target_parameters) is not supported",
+            "LoRA on a mixture-of-experts router (mlp.gate) is not supported",
         ),
-        ("dense-mlp", dense, "the MLP or the experts of a mixture-of-experts base is not supported yet"),
+        ("dense-mlp", dense, "LoRA on the dense MLP modules"),
     ):
         (out,) = llm.generate(
             {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=1), lora_request=LoRARequest(name, adapter)
