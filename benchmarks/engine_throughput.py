@@ -192,7 +192,7 @@ def run_transformers(
     results: dict[str, Any] = {}
     for batch_size in batch_sizes:
         start = time.perf_counter()
-        for first in range(0, NUM_REQUESTS, batch_size):
+        for first in range(0, len(workload.prompts), batch_size):
             prompts = workload.prompts[first : first + batch_size]
             outs = workload.max_tokens[first : first + batch_size]
             ids, mask = left_padded(prompts)

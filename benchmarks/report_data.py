@@ -49,6 +49,9 @@ BENCHMARKS: dict[str, Benchmark] = {
         )
         for family in ("qwen3", "gemma3", "phi3")
     },
+    "moe_throughput": Benchmark(
+        f"{PYTHON} benchmarks/moe_throughput.py", "mixture-of-experts bases: against transformers, expert LoRA, dense"
+    ),
     "sliding_window_memory": Benchmark(
         f"{PYTHON} benchmarks/sliding_window_memory.py", "KV memory with sliding windows against full attention"
     ),

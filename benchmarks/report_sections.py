@@ -537,9 +537,39 @@ def sliding_window_memory(doc: dict[str, Any], results: Results, plots: Plots) -
     return lines
 
 
+def moe(doc: dict[str, Any], results: Results, plots: Plots) -> list[str]:
+    rows = [
+        [
+            f"{shape['experts']} experts of {shape['expert_intermediate']}, top-{shape['top_k']}",
+            f"{shape['loraplex']['tokens_per_s']:.0f}",
+            f"**{x(shape['over_transformers'])}** ({shape['transformers']['best_tokens_per_s']:.0f})",
+            f"**{shape['lora_over_base']:.2f}** ({shape['loraplex_lora']['tokens_per_s']:.0f})",
+            f"{shape['over_dense']:.2f}",
+        ]
+        for shape in doc["shapes"].values()
+    ]
+    dense, adapters = doc["dense"]["tokens_per_s"], doc["adapters"]
+    lines = [
+        f"Random Qwen3-MoE checkpoints with the offline benchmark's attention and vocabulary,"
+        f" {doc['workload']['requests']} of its requests, useful tokens/s; each shape's active MLP per token equals"
+        f" the dense model's ({dense:.0f} tok/s for the dense Qwen3 of that shape). LoRA: {adapters['count']}"
+        f" adapters on {adapters['targets']} (peft's target_parameters), Zipf popularity.",
+        "",
+    ]
+    lines += table(["experts", "loraplex tok/s", "over transformers", "LoRA / base", "MoE / dense"], rows)
+    lines += [
+        "",
+        "At these batch sizes a decode step touches nearly every expert, so an MoE layer reads all its experts'"
+        " weights where the dense model reads one MLP: MoE / dense is about the ratio of bytes read."
+        f" {writes('moe_throughput')}.",
+    ]
+    return lines
+
+
 SECTIONS: tuple[Section, ...] = (
     Section("Serving under load", (Part("suite", report_suite.headline), Part("suite", report_suite.rate))),
     Section("Offline throughput", (Part("engine_throughput", engine),)),
+    Section("Mixture-of-experts bases", (Part("moe_throughput", moe),)),
     Section("Many adapters", (Part("suite", report_suite.adapters), Part("lora_throughput", lora))),
     Section("Adapter pool", (Part("suite", report_suite.pool_budget), Part("lora_throughput", residency))),
     Section("Prefix cache", (Part("suite", report_suite.prefix_cache), Part("prefix_cache", prefix_cache))),

@@ -187,6 +187,12 @@ class ModelConfig:
             + (self.hidden_size)
         )
 
+    def active_parameters(self) -> int:
+        """The parameters one token runs: num_parameters() less the experts its router does not pick (a dense
+        model's are all of them)."""
+        skipped = sum(self.mlp_parameters(i) - self.mlp_parameters(i, active=True) for i in range(self.num_layers))
+        return self.num_parameters() - skipped
+
     def mlp_parameters(self, layer: int, *, active: bool = False) -> int:
         """Parameters of a layer's MLP: the dense one's, or a sparse block's router and experts (`active`: the
         top-k experts a token runs, and the router)."""

@@ -557,6 +557,9 @@ class ModelCard(BaseModel):
     root: str | None = None  # vLLM's: the base model's name, or an adapter's source (folder or s3:// URI)
     parent: str | None = None  # vLLM's: an adapter's base model; None for the base model itself
     max_model_len: int
+    # The base model's parameters, and those one token runs (fewer on a mixture-of-experts base); None on adapters.
+    parameters: int | None = None
+    active_parameters: int | None = None
 
 
 class ModelList(BaseModel):

@@ -28,6 +28,8 @@ def model_cards(serving: OpenAIServing) -> ModelList:
             created=serving.created,
             root=str(serving.engine.core.config.model),
             max_model_len=serving.max_model_len,
+            parameters=serving.engine.core.model_config.num_parameters(),
+            active_parameters=serving.engine.core.model_config.active_parameters(),
         )
     ]
     for registered in serving.loras.adapters():

@@ -501,6 +501,9 @@ def test_models_lists_the_tenants_endpoints_and_the_base_models(platform: Platfo
     assert {"their-bot", platform.base_model, OTHER_BASE} <= theirs
     assert ENDPOINT not in theirs
     assert all(m.object == "model" for m in mine.values())
+    # A base model's card counts its parameters from its config.json: all of them run for each token of a dense one.
+    base = mine[platform.base_model].model_extra or {}
+    assert base["parameters"] == base["active_parameters"] > 0
     # The SDK's models.retrieve: the same cards one at a time, and another tenant's endpoint is not there.
     client = platform.client(owner.tenant.key)
     assert client.models.retrieve(ENDPOINT).model_dump() == mine[ENDPOINT].model_dump()

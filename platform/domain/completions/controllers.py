@@ -18,6 +18,7 @@ from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.params import JSONBody
 from litestar.response import Stream
 
+from loraplex.engine import CheckpointError
 from loraplex.engine.serve import messages
 from loraplex.platform.auth import TenantPrincipal
 from loraplex.platform.concurrency import HeldLease
@@ -443,7 +444,7 @@ class CompletionsController(Controller):
         async with resources.sessions() as session:
             base_models = await BaseModelRepository(session).list()
             endpoints = await EndpointService(session).list_all(principal.tenant_id)
-        data = [_endpoint_card(e) for e in endpoints] + [_base_model_card(b) for b in base_models]
+        data = [_endpoint_card(e) for e in endpoints] + [await _base_model_card(b, resources) for b in base_models]
         if messages.ANTHROPIC_VERSION_HEADER in request.headers:  # Claude Code and the anthropic SDKs list models so
             return messages.anthropic_model_list([(card["id"], card["created"]) for card in data])
         return {"object": "list", "data": data}
@@ -458,7 +459,7 @@ class CompletionsController(Controller):
             base = await BaseModelRepository(session).get_by_name(name)
         if base is None:
             raise model_not_found(name)
-        return _base_model_card(base)
+        return await _base_model_card(base, resources)
 
 
 def _endpoint_card(endpoint: Endpoint) -> dict[str, Any]:
@@ -466,6 +467,19 @@ def _endpoint_card(endpoint: Endpoint) -> dict[str, Any]:
     return {"id": endpoint.name, "object": "model", "created": created, "owned_by": "you", "kind": "endpoint"}
 
 
-def _base_model_card(base: BaseModel) -> dict[str, Any]:
+async def _base_model_card(base: BaseModel, resources: AppResources) -> dict[str, Any]:
+    """A base model's card, with its parameters and those one token runs (fewer on a mixture-of-experts base), from
+    its config.json; without them when the checkpoint cannot be read just now (the listing still answers)."""
     created = int(base.created_at.timestamp())
-    return {"id": base.name, "object": "model", "created": created, "owned_by": "loraplex", "kind": "base_model"}
+    card: dict[str, Any] = {
+        "id": base.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "loraplex",
+        "kind": "base_model",
+    }
+    try:
+        config = await resources.model_configs.of(base.source)
+    except CheckpointError:
+        return card
+    return {**card, "parameters": config.num_parameters(), "active_parameters": config.active_parameters()}

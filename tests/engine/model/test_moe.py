@@ -115,6 +115,8 @@ def test_the_parameter_counts_of_a_sparse_base(checkpoint: Callable[..., Path], 
     assert config.moe is not None and config.moe.sparse_layers == (False, True)
     h = config.hidden_size
     assert config.mlp_parameters(1, active=True) == 6 * h + 2 * 3 * h * 32 + 3 * h * 48 + h
+    skipped = (6 - 2) * 3 * h * 32  # the four experts of six a token's router does not pick, in layer 1
+    assert config.active_parameters() == config.num_parameters() - skipped
 
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -471,6 +471,8 @@ def test_models_lists_the_served_model(server: Server) -> None:
     assert card.object == "model"
     assert card.owned_by == "loraplex"
     assert card.model_extra is not None and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    # A dense base runs every parameter for every token (tests/engine/model/test_moe.py has an MoE base's counts).
+    assert card.model_extra["parameters"] == card.model_extra["active_parameters"] > 0
     assert server.client().models.retrieve(MODEL).model_dump() == card.model_dump()
     with pytest.raises(openai.NotFoundError) as info:
         server.client().models.retrieve("org/not-served")
