@@ -22,15 +22,16 @@ import argparse
 import json
 import random
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+import engine_throughput
+import lora_throughput
 import torch
 from engine_throughput import Workload, make_workload, run_transformers, write_family_model
 from serve_launch import machine
 
-from loraplex.engine import LLM, LoRARequest, SamplingParams
+from loraplex.engine import LoRARequest
 from loraplex.engine.model.config import ModelConfig
 from loraplex.engine.tools.demo import BENCHMARK_SPEC, write_tokenizer
 
@@ -40,6 +41,7 @@ SHAPES = {"8x2": (8, 2), "64x8": (64, 8)}
 NUM_ADAPTERS = 8
 RANKS = (8, 16)
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+BATCH = 2048  # max_num_batched_tokens of every loraplex run
 
 
 def write_moe_model(path: Path, experts: int, top_k: int) -> Path:
@@ -98,29 +100,8 @@ def write_adapters(root: Path, base: Path) -> list[LoRARequest]:
     return adapters
 
 
-def run_loraplex(model_dir: Path, workload: Workload, loras: list[LoRARequest | None] | None) -> dict[str, Any]:
-    llm = LLM(
-        model_dir,
-        dtype="float32",
-        device="cpu",
-        kv_budget=2 * 2**30,
-        max_model_len=512,
-        max_num_batched_tokens=2048,
-        max_adapters_per_batch=NUM_ADAPTERS,
-        max_loras=NUM_ADAPTERS,
-    )
-    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:4]], warm)
-    if loras is not None:  # loads every adapter into the pool outside the clock
-        distinct = list({id(lora): lora for lora in loras if lora is not None}.values())
-        llm.generate([{"prompt_token_ids": workload.prompts[0]}] * len(distinct), warm, lora_request=distinct)
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, lora_request=loras)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert produced == workload.useful_tokens, (produced, workload.useful_tokens, [o.error for o in outputs])
-    return {"seconds": elapsed, "tokens_per_s": workload.useful_tokens / elapsed}
+def run_base(model_dir: Path, workload: Workload) -> dict[str, Any]:
+    return engine_throughput.run_loraplex(model_dir, workload, max_num_batched_tokens=BATCH)
 
 
 def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -147,7 +128,7 @@ def main() -> None:
         workload = Workload(prompts=full.prompts[: args.requests], max_tokens=full.max_tokens[: args.requests])
         weights = [1 / (k + 1) for k in range(NUM_ADAPTERS)]
         owners = random.Random(1).choices(range(NUM_ADAPTERS), weights=weights, k=len(workload.prompts))
-        dense = best_of([run_loraplex(dense_dir, workload, None) for _ in range(args.repeats)])
+        dense = best_of([run_base(dense_dir, workload) for _ in range(args.repeats)])
         print(f"dense qwen3      {dense['tokens_per_s']:7.1f} tok/s")
         output["dense"] = dense
         for name in args.shapes.split(","):
@@ -158,8 +139,8 @@ def main() -> None:
             loras: list[LoRARequest | None] = [adapters[i] for i in owners]
             base_runs, lora_runs = [], []
             for _ in range(args.repeats):
-                base_runs.append(run_loraplex(model_dir, workload, None))
-                lora_runs.append(run_loraplex(model_dir, workload, loras))
+                base_runs.append(run_base(model_dir, workload))
+                lora_runs.append(lora_throughput.run_loraplex(model_dir, workload, loras, max_num_batched_tokens=BATCH))
             base, lora = best_of(base_runs), best_of(lora_runs)
             reference = run_transformers(model_dir, workload, batch_sizes)
             entry = {
