@@ -214,6 +214,7 @@ class LoraCompute:
         self.device = device
         self._version = -1
         self._tables: dict[tuple[int, str], _GroupTable] = {}
+        self._expert_slots: dict[int, frozenset[int]] = {}  # layer -> slots adapting its experts (_refresh)
         self._page_table = torch.zeros(0, 0, dtype=torch.int32)
         self._bases: list[int | None] = []
         self._native = device.type == "cpu" and adapters.pool.storage[0].dtype == torch.float32 and native.load()
@@ -269,13 +270,8 @@ class LoraCompute:
     def adapts_experts(self, layer: int, batch: LoraBatch) -> bool:
         """Whether an adapter of the step (its batch) adapts layer `layer`'s experts."""
         self._refresh()
-        tables = self._tables.get((layer, "experts_gate_up")), self._tables.get((layer, "experts_down"))
-        experts = self.num_experts
-        slots = {slot for _, _, slot in batch.host if slot >= 0}
-        return any(
-            t is not None and t.max_rank > 0 and any(int(t.native_ranks[slot * experts]) for slot in slots)
-            for t in tables
-        )
+        adapting = self._expert_slots.get(layer)
+        return bool(adapting) and any(slot in adapting for _, _, slot in batch.host)
 
     def _native_segments(
         self, batch: LoraBatch, x: torch.Tensor, y: torch.Tensor, bases: Sequence[int | None]
@@ -341,6 +337,17 @@ class LoraCompute:
         for layer in range(self.adapters.model_config.num_layers):
             for group, modules in groups(self.adapters.model_config):
                 self._tables[(layer, group)] = self._group_table(slots, layer, group, modules)
+        # Per layer, the slots whose adapter adapts its experts (one table entry per expert: read the first).
+        experts = self.num_experts
+        self._expert_slots = {
+            layer: frozenset(
+                slot
+                for slot in range(len(slots))
+                for group in EXPERT_GROUP_NAMES
+                if (table := self._tables.get((layer, group))) is not None and int(table.native_ranks[slot * experts])
+            )
+            for layer in range(self.adapters.model_config.num_layers)
+        }
         self._version = self.adapters.version
 
     def _group_table(
