@@ -270,8 +270,8 @@ class LoraCompute:
     def adapts_experts(self, layer: int, batch: LoraBatch) -> bool:
         """Whether an adapter of the step (its batch) adapts layer `layer`'s experts."""
         self._refresh()
-        adapting = self._expert_slots.get(layer)
-        return bool(adapting) and any(slot in adapting for _, _, slot in batch.host)
+        adapting = self._expert_slots.get(layer, frozenset())
+        return any(slot in adapting for _, _, slot in batch.host)
 
     def _native_segments(
         self, batch: LoraBatch, x: torch.Tensor, y: torch.Tensor, bases: Sequence[int | None]
